@@ -1,0 +1,135 @@
+"""Flow-GRPO math: the SDE sampling step and its log-prob, group advantages, the clipped loss, KL.
+
+Pure tensor functions, float32 inside, no model and no process group. DESIGN.md section 3.
+
+    import torch, grpo
+    x = torch.randn(4, 64, 16); v = torch.randn_like(x)
+    nxt, logp, mean, std = grpo.sde_step_with_logprob(v, x, torch.full((4,), 0.8), torch.full((4,), 0.6), 0.7)
+
+Conventions (Flow-GRPO's): sigma runs from 1 (noise) to 0 (data), x_sigma = (1 - sigma) x0 + sigma eps,
+the model predicts the velocity v = eps - x0, dt = sigma_next - sigma < 0. The log-prob of a step is
+the Gaussian log density *averaged* over latent dimensions, so ratios are close to 1 and the clip
+range is tiny (about 1e-4 for real models).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
+
+
+def _per_sample(value, like: torch.Tensor) -> torch.Tensor:
+    """A scalar or a [B] tensor -> float32 [B, 1, 1, ...] broadcastable against `like`."""
+    value = torch.as_tensor(value, dtype=torch.float32, device=like.device)
+    if value.ndim == 0:
+        value = value.expand(like.shape[0])
+    return value.reshape(-1, *([1] * (like.ndim - 1)))
+
+
+def gaussian_log_prob(sample: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """log N(sample; mean, std^2) averaged over every non-batch dimension -> [B] (float32)."""
+    log_density = -((sample - mean) ** 2) / (2 * std**2) - torch.log(std) - LOG_SQRT_2PI
+    return log_density.mean(dim=tuple(range(1, sample.ndim)))
+
+
+def _sample_or_score(mean, std, noise, prev_sample):
+    """Shared tail of both SDE steps: draw x_next (or take the given one) and score it."""
+    if prev_sample is None:
+        if noise is None:
+            noise = torch.randn_like(mean)
+        prev_sample = mean + std * noise.to(torch.float32)
+    prev_sample = prev_sample.to(torch.float32)
+    if bool((std == 0).all()):  # noise level 0: the deterministic ODE step (evaluation); no density
+        return mean, torch.zeros(mean.shape[0], device=mean.device), mean, std
+    return prev_sample, gaussian_log_prob(prev_sample.detach(), mean, std), mean, std
+
+
+def sde_step_with_logprob(velocity, latents, sigma, sigma_next, noise_level, noise=None, prev_sample=None):
+    """One Flow-GRPO SDE step x_sigma -> x_sigma_next (DESIGN.md section 3; Flow-GRPO eq. 9).
+
+    velocity, latents: [B, ...]; sigma, sigma_next: floats or [B] tensors (per-sample timesteps, so
+    packed pairs from different timesteps share one call); noise_level: the `a` of the paper.
+    noise: optional standard normal [B, ...] (for deterministic trajectories); prev_sample: if given,
+    only score it (training recomputes the log-prob of the recorded trajectory).
+    Returns (prev_sample [B, ...], log_prob [B], mean [B, ...], std [B, 1, ...]), all float32.
+    """
+    v = velocity.to(torch.float32)
+    x = latents.to(torch.float32)
+    s = _per_sample(sigma, x)
+    s_next = _per_sample(sigma_next, x)
+    dt = s_next - s  # < 0
+    # g = a sqrt(sigma / (1 - sigma)); at sigma = 1 the denominator uses the next sigma (Flow-GRPO).
+    denom = 1 - torch.where(s >= 1, s_next, s)
+    g = noise_level * torch.sqrt(s / denom)
+    # mean = x + [v + g^2/(2 sigma) (x + (1 - sigma) v)] dt   (the SDE with the same marginals as the ODE)
+    mean = x + (v + g**2 / (2 * s) * (x + (1 - s) * v)) * dt
+    std = g * torch.sqrt(-dt)
+    return _sample_or_score(mean, std, noise, prev_sample)
+
+
+def dance_sde_step_with_logprob(velocity, latents, sigma, sigma_next, eta, noise=None, prev_sample=None):
+    """DanceGRPO's SDE step (DanceGRPO `flux_step`): constant noise scale eta, std = eta sqrt(sigma - sigma_next).
+
+    mean = x + v dt - 0.5 eta^2 score (sigma - sigma_next), with the score estimate
+    score = -(x - (1 - sigma) x0_hat) / sigma^2 and x0_hat = x - sigma v. Same signature as
+    `sde_step_with_logprob`.
+    """
+    v = velocity.to(torch.float32)
+    x = latents.to(torch.float32)
+    s = _per_sample(sigma, x)
+    s_next = _per_sample(sigma_next, x)
+    delta = s - s_next  # > 0
+    x0_hat = x - s * v
+    score = -(x - x0_hat * (1 - s)) / s**2
+    mean = x - delta * v - 0.5 * eta**2 * score * delta
+    std = eta * torch.sqrt(delta)
+    return _sample_or_score(mean, std, noise, prev_sample)
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4, clip: float = 5.0) -> torch.Tensor:
+    """A_i = (r_i - mean_group) / (std_group + eps), clipped to +-clip (DESIGN.md section 3).
+
+    rewards: [N] with the members of a group contiguous (N = groups * group_size). Per-group std is a
+    documented departure from Flow-GRPO's default global std: it keeps a fragment self-contained.
+    """
+    if rewards.ndim != 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards of shape {tuple(rewards.shape)} is not a whole number of groups of {group_size}")
+    r = rewards.to(torch.float32).reshape(-1, group_size)  # [groups, G]
+    adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
+    return adv.clamp(-clip, clip).reshape(-1)  # [N]
+
+
+def policy_loss(log_prob, old_log_prob, advantages, clip_range, weights=None):
+    """PPO-clipped loss over pairs: max(-A r, -A clip(r, 1-e, 1+e)), r = exp(logp - logp_old).
+
+    All inputs [n]. With `weights` [n] the loss is sum(w * per_pair) (the trainer passes
+    1/(N T_train) so accumulation over fragments reproduces the batch mean); without, the mean.
+    Returns (loss, stats) where stats are detached floats-as-tensors.
+    """
+    log_ratio = log_prob - old_log_prob
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    per_pair = torch.maximum(unclipped, clipped)  # [n]
+    loss = per_pair.mean() if weights is None else (per_pair * weights).sum()
+    with torch.no_grad():
+        stats = {
+            "approx_kl": 0.5 * (log_ratio**2).mean(),
+            "clipfrac": ((ratio - 1.0).abs() > clip_range).float().mean(),
+            "ratio_mean": ratio.mean(),
+            "ratio_min": ratio.min(),
+            "ratio_max": ratio.max(),
+        }
+    return loss, stats
+
+
+def kl_loss(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """KL between the step Gaussians of the policy and the reference (same std) -> [B].
+
+    KL(N(m, s^2) || N(m_ref, s^2)) per dimension = (m - m_ref)^2 / (2 s^2), averaged over dims
+    like the log-prob. `std` is the step std returned by the SDE step (Flow-GRPO's convention).
+    """
+    dims = tuple(range(1, mean.ndim))
+    return ((mean - ref_mean) ** 2).mean(dim=dims) / (2 * std.reshape(std.shape[0], -1)[:, 0] ** 2)

@@ -1,0 +1,93 @@
+"""The model-family interface: what the RL loop needs from a diffusers pipeline, and nothing more.
+
+A family (flux, qwenimage, wan, hunyuanvideo) is a small stateless object; `models.load` turns a
+directory into a `Policy` that rollout and trainer use. Adding a family = one file with a subclass
+of `Family` registered in models/__init__.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+
+
+class Family:
+    name: str = ""
+    pipeline_class_name: str = ""  # the diffusers pipeline that loads this family
+    required_components: tuple[str, ...] = ()  # subfolders a pretrained directory must have
+    lora_targets: tuple[str, ...] = ()  # Flow-GRPO-style attention projections of this architecture
+    uses_true_cfg = False  # Qwen-Image, Wan: conditional and unconditional branches in one batch
+    is_video = False
+    tiny_resolution = 32  # pixels of the tiny pipeline's images (height = width)
+    tiny_frames = 1
+    default_guidance = 3.5  # embedded guidance (FLUX, HunyuanVideo) or true-CFG scale (Qwen, Wan)
+
+    def pipeline_class(self):
+        import diffusers
+
+        return getattr(diffusers, self.pipeline_class_name)
+
+    # --- building and loading -------------------------------------------------------------
+    def build_tiny(self, path: str, seed: int = 0) -> None:
+        """Build a tiny pipeline of the real classes fully offline and `save_pretrained` it to `path`."""
+        raise NotImplementedError
+
+    def check_pretrained(self, path: str) -> None:
+        """Raise FileNotFoundError naming the first missing component of a pretrained directory."""
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"pretrained directory {path!r} does not exist")
+        index = os.path.join(path, "model_index.json")
+        if not os.path.isfile(index):
+            raise FileNotFoundError(f"{path!r} has no model_index.json: not a diffusers pipeline directory "
+                                    f"(expected components: {', '.join(self.required_components)})")
+        with open(index) as f:
+            listed = json.load(f)
+        for component in self.required_components:
+            folder = os.path.join(path, component)
+            if component not in listed or listed[component] in (None, [None, None]) or not os.path.isdir(folder):
+                raise FileNotFoundError(f"pretrained directory {path!r} is missing the component {component!r} "
+                                        f"(required for {self.name}: {', '.join(self.required_components)})")
+            if not os.listdir(folder):
+                raise FileNotFoundError(f"component {component!r} in {path!r} is an empty folder")
+
+    # --- what the RL loop calls -----------------------------------------------------------
+    def encode(self, pipe, prompts: list[str], device, max_sequence_length: int) -> dict[str, torch.Tensor]:
+        """Per-sample conditioning tensors (batch first) through the pipeline's own `encode_prompt`."""
+        raise NotImplementedError
+
+    def latent_shape(self, pipe, height: int, width: int, frames: int) -> tuple[int, ...]:
+        """Shape of one sample's latents in the layout the transformer consumes."""
+        raise NotImplementedError
+
+    def sample_noise(self, pipe, generator: torch.Generator, height: int, width: int, frames: int) -> torch.Tensor:
+        """One sample's standard normal latents in transformer layout (default: drawn in that layout)."""
+        return torch.randn(self.latent_shape(pipe, height, width, frames), generator=generator)
+
+    def sigmas(self, pipe, num_steps: int, height: int, width: int, frames: int) -> torch.Tensor:
+        """The pipeline's sigma schedule for `num_steps` steps, [num_steps + 1] float32, from ~1 down to 0."""
+        scheduler = pipe.scheduler
+        base = np.linspace(1.0, 1.0 / num_steps, num_steps)
+        kwargs = {}
+        if scheduler.config.get("use_dynamic_shifting", False):
+            kwargs["mu"] = self.shift_mu(pipe, height, width, frames)
+        scheduler.set_timesteps(num_steps, sigmas=base, device="cpu", **kwargs)
+        return scheduler.sigmas.to(torch.float32).clone()
+
+    def shift_mu(self, pipe, height, width, frames) -> float:
+        """Resolution-dependent shift (FLUX's `calculate_shift`), used when the scheduler shifts dynamically."""
+        seq_len = int(np.prod(self.latent_shape(pipe, height, width, frames)[:-1]))
+        cfg = pipe.scheduler.config
+        base_len, max_len = cfg.get("base_image_seq_len", 256), cfg.get("max_image_seq_len", 4096)
+        base_shift, max_shift = cfg.get("base_shift", 0.5), cfg.get("max_shift", 1.15)
+        m = (max_shift - base_shift) / (max_len - base_len)
+        return seq_len * m + (base_shift - m * base_len)
+
+    def forward(self, pipe, transformer, latents, sigma, cond, guidance: float, negative_cond=None) -> torch.Tensor:
+        """Velocity for latents [B, ...] at per-sample sigma [B]; true CFG in one batch where the family uses it."""
+        raise NotImplementedError
+
+    def decode(self, pipe, latents, height: int, width: int, frames: int) -> torch.Tensor:
+        """Latents -> images [B, 3, H, W] (video: [B, F, 3, H, W]) float32 in [0, 1]."""
+        raise NotImplementedError

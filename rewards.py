@@ -1,0 +1,383 @@
+"""Reward functions for RL on image/video generators, and the registry that names them.
+
+A reward is a callable ``fn(images, prompts) -> Tensor[B]`` (float32, on the CPU), where
+``images`` are float tensors in [0, 1], ``[B, 3, H, W]`` for images or ``[B, F, 3, H, W]``
+for videos, and ``prompts`` is a list of B strings. Image rewards given a video are applied
+to every frame and averaged over frames by one generic wrapper (``_per_frame``);
+``temporal_consistency`` consumes the video itself and ``remote`` sends the middle frame.
+
+Rewards are combined with a spec string such as ``"color=1.0,jpeg_compressibility=0.1"``:
+``build_reward(spec, options)`` returns a ``CombinedReward`` whose call gives one tensor per
+named reward plus their weighted sum under ``"total"``. ``parse_reward_spec`` and
+``check_reward_options`` validate a spec without loading anything, so a CLI can fail fast
+before it spawns processes.
+
+Try it:
+    python -c "import torch, rewards; r = rewards.build_reward('color,jpeg_compressibility=0.1'); \
+print(r(torch.rand(2, 3, 32, 32), ['a red image', 'a blue image']))"
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import http.client
+import io
+import json
+import math
+import os
+import re
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from einops import rearrange
+from PIL import Image
+
+RewardFn = Callable[[torch.Tensor, list[str]], torch.Tensor]
+
+
+@dataclass
+class RewardOptions:
+    """Everything a reward factory may need; rewards ignore the fields they do not use."""
+
+    clip_path: str | None = None  # local directory with a saved CLIPModel + CLIPProcessor
+    remote_url: str | None = None  # http(s) URL of a reward server (see ``remote``)
+    remote_timeout_s: float = 30.0  # per request; a slow server counts as a failed attempt
+    remote_retries: int = 3  # retries after the first attempt, for timeouts/connection/5xx
+    remote_backoff_s: float = 0.5  # sleep before retry k (0-based) is backoff * 2**k
+    device: str = "cpu"  # where model-based rewards (CLIP) run
+
+
+class RemoteRewardError(RuntimeError):
+    """A reward server failed: unreachable, HTTP error, or a malformed response."""
+
+
+# ---------------------------------------------------------------- registry and video handling
+
+REWARDS: dict[str, Callable[..., RewardFn]] = {}
+
+
+def _register(name: str, video: str) -> Callable:
+    """Register a factory under ``name``. ``video`` says how the returned fn treats videos:
+    "per_frame" (generic frame loop added here) or "own" (the fn handles 4-D/5-D itself)."""
+
+    def decorate(make: Callable[[RewardOptions], RewardFn]) -> Callable[..., RewardFn]:
+        def factory(options: RewardOptions | None = None, **overrides) -> RewardFn:
+            allowed = [f.name for f in dataclasses.fields(RewardOptions)]
+            unknown = sorted(set(overrides) - set(allowed))
+            if unknown:
+                raise TypeError(f"unknown reward option(s) {unknown}; allowed: {allowed}")
+            options = dataclasses.replace(options or RewardOptions(), **overrides)
+            check_reward_options({name: 1.0}, options)
+            fn = make(options)
+            return _checked(_per_frame(fn) if video == "per_frame" else fn, name)
+
+        factory.__name__ = factory.__qualname__ = name
+        factory.__doc__ = make.__doc__
+        REWARDS[name] = factory
+        return factory
+
+    return decorate
+
+
+def _checked(fn: RewardFn, name: str) -> RewardFn:
+    """Validate inputs once for every reward, and normalise the output to float32 CPU [B]."""
+
+    def reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        if images.dim() not in (4, 5) or images.shape[-3] != 3:
+            raise ValueError(f"reward {name!r}: expected images [B, 3, H, W] or videos "
+                             f"[B, F, 3, H, W], got shape {tuple(images.shape)}")
+        if len(prompts) != images.shape[0]:
+            raise ValueError(f"reward {name!r}: got {len(prompts)} prompts for a batch of "
+                             f"{images.shape[0]}; need one prompt per sample")
+        scores = fn(images.detach().float(), list(prompts)).detach().float().cpu()
+        if scores.shape != (images.shape[0],):
+            raise RuntimeError(f"reward {name!r} returned shape {tuple(scores.shape)}, "
+                               f"expected ({images.shape[0]},)")
+        return scores
+
+    reward.__name__ = name
+    return reward
+
+
+def _per_frame(fn: RewardFn) -> RewardFn:
+    """Apply an image reward to each frame of a video and average over frames."""
+
+    def reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        if images.dim() == 4:
+            return fn(images, prompts)
+        num_frames = images.shape[1]
+        frames = rearrange(images, "b f c h w -> (b f) c h w")  # [B*F, 3, H, W]
+        frame_prompts = [p for p in prompts for _ in range(num_frames)]  # same b-major order
+        scores = fn(frames, frame_prompts)  # [B*F]
+        return rearrange(scores, "(b f) -> b f", f=num_frames).mean(dim=1)  # [B]
+
+    return reward
+
+
+def to_pil_images(images: torch.Tensor) -> list[Image.Image]:
+    """[B, 3, H, W] floats in [0, 1] -> list of B RGB PIL images (rounded to uint8)."""
+    pixels = (images.clamp(0, 1) * 255).round().to(torch.uint8)  # [B, 3, H, W]
+    pixels = rearrange(pixels, "b c h w -> b h w c").cpu().numpy()  # [B, H, W, 3]
+    return [Image.fromarray(np.ascontiguousarray(p)) for p in pixels]
+
+
+# ---------------------------------------------------------------- simple pixel rewards
+
+def _jpeg_size_kb(images: torch.Tensor) -> torch.Tensor:
+    sizes = []
+    for image in to_pil_images(images):
+        buffer = io.BytesIO()
+        image.save(buffer, format="JPEG", quality=95)
+        sizes.append(buffer.tell() / 1000)  # kB as in ddpo-pytorch (1000, not 1024)
+    return torch.tensor(sizes, dtype=torch.float32)  # [B]
+
+
+@_register("jpeg_compressibility", video="per_frame")
+def _make_jpeg_compressibility(options: RewardOptions) -> RewardFn:
+    """Minus the JPEG size (quality 95) in kB: rewards simple, smooth images (ddpo-pytorch)."""
+    return lambda images, prompts: -_jpeg_size_kb(images)
+
+
+@_register("jpeg_incompressibility", video="per_frame")
+def _make_jpeg_incompressibility(options: RewardOptions) -> RewardFn:
+    """The JPEG size (quality 95) in kB: rewards detailed, noisy images (ddpo-pytorch)."""
+    return lambda images, prompts: _jpeg_size_kb(images)
+
+
+COLOR_NAMES = ("red", "green", "blue")  # index = RGB channel
+_COLOR_PROMPTS = {
+    "train": [f"a {color} image" for color in COLOR_NAMES],
+    # Held-out phrasings: the policy must follow the colour word, not memorise a prompt.
+    "eval": [f"a picture that is all {color}" for color in COLOR_NAMES],
+}
+
+
+def color_prompts(split: str) -> list[str]:
+    """The prompts of the colour demo task, one per colour, for split "train" or "eval"."""
+    if split not in _COLOR_PROMPTS:
+        raise ValueError(f"unknown prompt split {split!r}; allowed: {sorted(_COLOR_PROMPTS)}")
+    return list(_COLOR_PROMPTS[split])
+
+
+def prompt_color(prompt: str) -> int:
+    """Channel index of the one colour named in ``prompt`` (whole words, any case)."""
+    found = [i for i, c in enumerate(COLOR_NAMES) if re.search(rf"\b{c}\b", prompt.lower())]
+    if len(found) != 1:
+        raise ValueError(f"the color reward needs a prompt naming exactly one of "
+                         f"{list(COLOR_NAMES)}; got {prompt!r}")
+    return found[0]
+
+
+@_register("color", video="per_frame")
+def _make_color(options: RewardOptions) -> RewardFn:
+    """Mean of the prompt's colour channel minus the mean of the other two, in [-1, 1]."""
+
+    def color(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        target = torch.tensor([prompt_color(p) for p in prompts], device=images.device)  # [B]
+        channel_means = images.mean(dim=(2, 3))  # [B, 3]
+        wanted = channel_means.gather(1, target[:, None])[:, 0]  # [B]
+        others = (channel_means.sum(dim=1) - wanted) / 2  # [B]
+        return wanted - others  # [B]
+
+    return color
+
+
+# ---------------------------------------------------------------- CLIP score
+
+@_register("clip_score", video="per_frame")
+def _make_clip_score(options: RewardOptions) -> RewardFn:
+    """Cosine similarity of CLIP image and text embeddings, in [-1, 1] (model at clip_path)."""
+    # Imported here so that the registry and the cheap rewards never pay for transformers.
+    from transformers import CLIPModel, CLIPProcessor
+
+    device = torch.device(options.device)
+    model = CLIPModel.from_pretrained(options.clip_path).to(device).eval()
+    processor = CLIPProcessor.from_pretrained(options.clip_path)
+
+    @torch.no_grad()
+    def clip_score(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        # The processor resizes/crops/normalises PIL images; truncation keeps long prompts
+        # within the text encoder's positions (tokenizer.model_max_length).
+        inputs = processor(text=prompts, images=to_pil_images(images), return_tensors="pt",
+                           padding=True, truncation=True)
+        inputs = {k: v.to(device) for k, v in inputs.items()}
+        # forward() returns L2-normalised embeddings on every transformers version, whereas
+        # get_*_features changed from a tensor to a model output in transformers 5.
+        out = model(**inputs)
+        return (out.image_embeds * out.text_embeds).sum(dim=-1)  # [B]
+
+    return clip_score
+
+
+# ---------------------------------------------------------------- video reward
+
+@_register("temporal_consistency", video="own")
+def _make_temporal_consistency(options: RewardOptions) -> RewardFn:
+    """Mean cosine similarity of consecutive frames, in [-1, 1] (videos only).
+
+    Pixels are mapped to [-1, 1] and not centred per frame, so a static video scores 1 even
+    when it is flat, and black/white flicker scores -1. An exactly mid-grey frame is the zero
+    vector and counts as similarity 0 with its neighbours.
+    """
+
+    def temporal_consistency(videos: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        if videos.dim() != 5 or videos.shape[1] < 2:
+            raise ValueError(f"temporal_consistency needs videos [B, F, 3, H, W] with F >= 2, "
+                             f"got shape {tuple(videos.shape)}")
+        frames = rearrange(videos * 2 - 1, "b f c h w -> b f (c h w)")  # [B, F, 3HW]
+        similarity = torch.nn.functional.cosine_similarity(
+            frames[:, 1:], frames[:, :-1], dim=-1, eps=1e-8)  # [B, F-1]
+        return similarity.mean(dim=1)  # [B]
+
+    return temporal_consistency
+
+
+# ---------------------------------------------------------------- remote reward server
+
+def _png_base64(image: Image.Image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _parse_scores(body: bytes, url: str, expected: int) -> torch.Tensor:
+    """Validate a server answer {"scores": [float, ...]}; anything else is an error."""
+    try:
+        scores = json.loads(body)["scores"]
+    except (ValueError, TypeError, KeyError) as error:
+        raise RemoteRewardError(f"reward server {url} sent a malformed response (need JSON "
+                                f'{{"scores": [...]}}): {error!r}; body {body[:200]!r}') from None
+    if not isinstance(scores, list) or len(scores) != expected:
+        raise RemoteRewardError(f"reward server {url} sent {scores!r:.200} as scores; "
+                                f"expected a list of {expected} numbers")
+    # bool is an int in Python, but a server answering true/false has a bug.
+    bad = [s for s in scores if isinstance(s, bool) or not isinstance(s, (int, float))
+           or not math.isfinite(s)]
+    if bad:
+        raise RemoteRewardError(f"reward server {url} sent non-finite or non-numeric "
+                                f"scores {bad[:5]!r}")
+    return torch.tensor(scores, dtype=torch.float32)  # [B]
+
+
+@_register("remote", video="own")
+def _make_remote(options: RewardOptions) -> RewardFn:
+    """Scores from an HTTP reward server (as Flow-GRPO's): POST JSON
+    {"images": [base64 PNG], "prompts": [...]} -> {"scores": [float per image]}.
+
+    Videos send their middle frame only (frame F // 2), which keeps requests small and lets
+    any image reward server score videos. Timeouts, connection errors and HTTP 5xx are
+    retried with exponential backoff; HTTP 4xx and malformed answers are not (they would
+    fail the same way again).
+    """
+    url = options.remote_url
+
+    def post(body: bytes) -> bytes:
+        request = urllib.request.Request(url, data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=options.remote_timeout_s) as response:
+            return response.read()
+
+    def remote(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+        if images.dim() == 5:
+            images = images[:, images.shape[1] // 2]  # [B, 3, H, W], the middle frame
+        body = json.dumps({"images": [_png_base64(im) for im in to_pil_images(images)],
+                           "prompts": prompts}).encode("utf-8")
+        attempts = options.remote_retries + 1
+        for attempt in range(attempts):
+            try:
+                return _parse_scores(post(body), url, expected=len(prompts))
+            except urllib.error.HTTPError as error:  # a subclass of URLError: test it first
+                if error.code < 500:
+                    raise RemoteRewardError(f"reward server {url} refused the request with "
+                                            f"HTTP {error.code} {error.reason}") from error
+                last_error: Exception = error
+            except (urllib.error.URLError, http.client.HTTPException, OSError) as error:
+                last_error = error  # timeouts and connection errors are OSErrors too
+            if attempt + 1 < attempts:
+                time.sleep(options.remote_backoff_s * 2**attempt)
+        raise RemoteRewardError(f"reward server {url} failed after {attempts} attempts; "
+                                f"last error: {last_error!r}")
+
+    return remote
+
+
+# ---------------------------------------------------------------- specs and combination
+
+def parse_reward_spec(spec: str) -> dict[str, float]:
+    """ "color=1.0,jpeg_compressibility=0.1" -> {"color": 1.0, ...}; a bare name weighs 1."""
+    if not spec or not spec.strip():
+        raise ValueError(f"empty reward spec; give e.g. 'color' or 'color=1,clip_score=0.5' "
+                         f"with names from {sorted(REWARDS)}")
+    weights: dict[str, float] = {}
+    for item in spec.split(","):
+        name, _, weight_text = item.partition("=")
+        name = name.strip()
+        if name not in REWARDS:
+            raise ValueError(f"unknown reward {name!r} in spec {spec!r}; "
+                             f"known rewards: {sorted(REWARDS)}")
+        if name in weights:
+            raise ValueError(f"reward {name!r} appears twice in spec {spec!r}")
+        try:
+            weight = float(weight_text) if "=" in item else 1.0
+        except ValueError:
+            weight = math.nan
+        if not math.isfinite(weight):
+            raise ValueError(f"bad weight {weight_text.strip()!r} for reward {name!r} in spec "
+                             f"{spec!r}; need a finite number")
+        weights[name] = weight
+    return weights
+
+
+def check_reward_options(spec: str | Mapping[str, float], options: RewardOptions) -> None:
+    """Raise a clear error if the rewards in ``spec`` cannot be built with ``options``."""
+    names = parse_reward_spec(spec) if isinstance(spec, str) else dict(spec)
+    if "clip_score" in names:
+        if not options.clip_path:
+            raise ValueError("reward 'clip_score' needs --clip-path (a local directory with a "
+                             "saved CLIPModel and CLIPProcessor)")
+        if not os.path.isdir(options.clip_path):
+            raise FileNotFoundError(f"--clip-path {options.clip_path!r} is not a directory; "
+                                    f"clip_score needs a saved CLIPModel + CLIPProcessor there")
+    if "remote" in names:
+        url = options.remote_url or ""
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"reward 'remote' needs --remote-url starting with http:// or "
+                             f"https://, got {options.remote_url!r}")
+        if options.remote_timeout_s <= 0 or options.remote_retries < 0 \
+                or options.remote_backoff_s < 0:
+            raise ValueError(f"remote reward needs timeout > 0, retries >= 0, backoff >= 0; "
+                             f"got timeout {options.remote_timeout_s}, retries "
+                             f"{options.remote_retries}, backoff {options.remote_backoff_s}")
+
+
+class CombinedReward:
+    """Several named rewards and their weighted sum; call -> {name: [B], ..., "total": [B]}."""
+
+    def __init__(self, fns: Mapping[str, RewardFn], weights: Mapping[str, float]):
+        if set(fns) != set(weights):
+            raise ValueError(f"reward fns {sorted(fns)} and weights {sorted(weights)} differ")
+        self.fns = dict(fns)
+        self.weights = dict(weights)
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.fns)
+
+    def __call__(self, images: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
+        scores = {name: fn(images, prompts) for name, fn in self.fns.items()}  # each [B]
+        scores["total"] = sum(self.weights[n] * scores[n] for n in self.fns)  # [B]
+        return scores
+
+
+def build_reward(spec: str, options: RewardOptions | None = None) -> CombinedReward:
+    """Validate ``spec`` and ``options`` first, then build (load) every named reward."""
+    options = options or RewardOptions()
+    weights = parse_reward_spec(spec)
+    check_reward_options(weights, options)
+    return CombinedReward({name: REWARDS[name](options) for name in weights}, weights)

@@ -1,0 +1,108 @@
+"""Rollout: generate one fragment (whole groups) -> SDE sampling, behaviour log-probs, decode, reward, advantages.
+
+`generate_fragment` is the one generation path, used by rollout ranks, by colocated ranks and by an
+idle trainer under TAG, so every producer makes the same trajectories from the same FragmentSpec.
+`run_rollout_worker` is the rollout rank's loop in the disaggregated placement (DESIGN.md section 4).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import grpo
+from gap import Fragment, FragmentSpec
+
+
+@dataclasses.dataclass
+class SamplingConfig:
+    num_steps: int = 6  # T
+    noise_level: float = 0.7  # Flow-GRPO's a (or DanceGRPO's eta)
+    timestep_fraction: float = 1.0  # fraction of the T - 1 (DanceGRPO: T) steps that are trained
+    algo: str = "flow_grpo"  # or "dance_grpo"
+    adv_clip: float = 5.0
+
+
+def step_fn(algo: str):
+    return grpo.dance_sde_step_with_logprob if algo == "dance_grpo" else grpo.sde_step_with_logprob
+
+
+def num_train_timesteps(cfg: SamplingConfig) -> int:
+    """T_train: Flow-GRPO trains all but the last step by default; DanceGRPO a fraction of all T."""
+    trainable = cfg.num_steps if cfg.algo == "dance_grpo" else max(1, cfg.num_steps - 1)
+    return max(1, min(trainable, round(cfg.timestep_fraction * trainable)))
+
+
+def train_slots(cfg: SamplingConfig, noise_seed: int) -> list[int]:
+    """Which sampling steps of one trajectory are trained (sorted)."""
+    t_train = num_train_timesteps(cfg)
+    if cfg.algo == "dance_grpo":  # a random per-sample subset, reproducible from the trajectory's seed
+        gen = torch.Generator().manual_seed(noise_seed + 7)
+        return sorted(torch.randperm(cfg.num_steps, generator=gen)[:t_train].tolist())
+    return list(range(t_train))  # Flow-GRPO: the first T_train (high-noise) steps
+
+
+@torch.no_grad()
+def sample_trajectories(policy, cond, init_seeds, noise_seeds, cfg: SamplingConfig, keep: list[list[int]] | None = None,
+                        transformer=None):
+    """SDE sampling of len(seeds) trajectories in one batch.
+
+    Returns final latents [m, ...] and, for each trajectory's `keep` slots, (x_t, x_t+1, logp_t)
+    stacked as [m, T_train, ...]. Noise comes from per-trajectory CPU generators, so a trajectory is
+    the same in any batch and on any rank.
+    """
+    m = len(init_seeds)
+    x = torch.stack([policy.noise(torch.Generator().manual_seed(s)) for s in init_seeds]).to(policy.device)  # [m, ...]
+    generators = [torch.Generator().manual_seed(s) for s in noise_seeds]
+    sigmas = policy.sigmas(cfg.num_steps).to(policy.device)  # [T + 1]
+    step = step_fn(cfg.algo)
+    kept_x, kept_next, kept_logp = {}, {}, {}
+    wanted = set(t for slots in (keep or []) for t in slots)
+    for t in range(cfg.num_steps):
+        sigma = sigmas[t].expand(m)  # [m]
+        v = policy.velocity(x, sigma, cond, transformer)  # [m, ...] float32
+        noise = torch.stack([torch.randn(x.shape[1:], generator=g) for g in generators]).to(x.device)  # [m, ...]
+        x_next, logp, _, _ = step(v, x, sigma, sigmas[t + 1].expand(m), cfg.noise_level, noise=noise)
+        if t in wanted:
+            kept_x[t], kept_next[t], kept_logp[t] = x, x_next, logp
+        x = x_next
+    if keep is None:
+        return x, None
+    rows = range(m)
+    stack = lambda store: torch.stack([torch.stack([store[t][i] for t in keep[i]]) for i in rows])  # noqa: E731
+    timestep_index = torch.tensor(keep, dtype=torch.long)  # [m, T_train]
+    return x, (stack(kept_x), stack(kept_next), stack(kept_logp), timestep_index, sigmas.cpu())
+
+
+def generate_fragment(policy, spec: FragmentSpec, prompts: list[str], cfg: SamplingConfig, reward_fn,
+                      version: int, producer: int, transformer=None) -> Fragment:
+    """Generate, score and package one fragment of whole groups (see module docstring)."""
+    prompt_text = [prompts[i] for i in spec.prompt_ids]
+    cond = policy.encode_prompts(prompt_text)  # [m, ...]
+    keep = [train_slots(cfg, s) for s in spec.noise_seeds]
+    final, (x_t, x_next, logp, t_idx, sigmas) = sample_trajectories(
+        policy, cond, spec.init_seeds, spec.noise_seeds, cfg, keep, transformer)
+    images = policy.decode(final)  # [m, 3, H, W] (video [m, F, 3, H, W]) in [0, 1]
+    scores = reward_fn(images, prompt_text)  # name -> [m]
+    total = scores["total"].to(torch.float32)
+    parts = torch.stack([scores[k].to(torch.float32) for k in scores if k != "total"], dim=1)  # [m, n_rewards]
+    advantages = grpo.group_advantages(total, spec.group_size, clip=cfg.adv_clip)  # [m]
+    cpu = lambda t: t.detach().to("cpu")  # noqa: E731  (fragments travel and wait on the host)
+    return Fragment(
+        step=spec.step, index=spec.index, policy_version=version, producer=producer, group_size=spec.group_size,
+        prompt_ids=torch.tensor(spec.prompt_ids, dtype=torch.long),
+        cond={k: cpu(v) for k, v in cond.items()},
+        latents=cpu(x_t), next_latents=cpu(x_next), timestep_index=t_idx,
+        sigmas=sigmas[t_idx], sigmas_next=sigmas[t_idx + 1], log_probs=cpu(logp),
+        rewards=cpu(total), reward_parts=cpu(parts), advantages=cpu(advantages))
+
+
+@torch.no_grad()
+def evaluate(policy, prompts: list[str], cfg: SamplingConfig, reward_fn, seed: int = 1234):
+    """Deterministic evaluation (noise level 0, fixed seeds): returns (reward dict, images)."""
+    det = dataclasses.replace(cfg, noise_level=0.0)
+    cond = policy.encode_prompts(prompts)
+    seeds = [seed + i for i in range(len(prompts))]
+    final, _ = sample_trajectories(policy, cond, seeds, seeds, det)
+    images = policy.decode(final)
+    return reward_fn(images, prompts), images

@@ -1,0 +1,239 @@
+"""Tests for trace.py: span recording, summarize, Chrome trace / PNG output, and gathering
+spans from 3 spawned gloo ranks."""
+
+import datetime
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+import trace as tr  # the project's trace.py (conftest.py puts the root first on sys.path)
+
+pytestmark = pytest.mark.timeout(120)
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _span(rank, kind, start, end, role="trainer", **args):
+    return {"rank": rank, "role": role, "kind": kind, "start": start, "end": end, "args": args}
+
+
+def test_module_is_the_project_trace():
+    assert hasattr(tr, "Tracer"), "stdlib trace was imported instead of the project's trace.py"
+
+
+def test_spans_well_formed_and_nested():
+    tracer = tr.Tracer(rank=2, role="rollout")
+    with tracer.span("generate", step=0, fragment=1):
+        time.sleep(0.002)
+        with tracer.span("reward", step=0):
+            time.sleep(0.001)
+    tracer.add("send", time.perf_counter() - 0.01, time.perf_counter(), bytes=123)
+    spans = tracer.spans()
+    assert [s["kind"] for s in spans] == ["reward", "generate", "send"]  # inner closes first
+    for s in spans:
+        assert s["kind"] in tr.SPAN_KINDS
+        assert s["start"] <= s["end"]
+        assert s["rank"] == 2 and s["role"] == "rollout"
+    reward, generate, send = spans
+    assert generate["start"] <= reward["start"] <= reward["end"] <= generate["end"]
+    assert generate["end"] - generate["start"] >= 0.003
+    assert generate["args"] == {"step": 0, "fragment": 1}
+    assert send["args"] == {"bytes": 123}
+    assert send["end"] - send["start"] == pytest.approx(0.01, abs=1e-3)
+
+
+def test_span_recorded_when_body_raises():
+    tracer = tr.Tracer(rank=0, role="trainer")
+    with pytest.raises(RuntimeError):
+        with tracer.span("train"):
+            raise RuntimeError("boom")
+    assert [s["kind"] for s in tracer.spans()] == ["train"]
+
+
+def test_unknown_kind_raises_and_lists_kinds():
+    for enabled in (True, False):
+        tracer = tr.Tracer(rank=0, role="trainer", enabled=enabled)
+        with pytest.raises(ValueError, match="generate.*checkpoint"):
+            tracer.span("idle")
+        with pytest.raises(ValueError, match="unknown span kind"):
+            tracer.add("bogus", 0.0, 1.0)
+
+
+def test_disabled_tracer_records_nothing():
+    tracer = tr.Tracer(rank=0, role="trainer", enabled=False)
+    first, second = tracer.span("train"), tracer.span("wait", step=1)
+    assert first is second  # one shared null context, nothing allocated per span
+    with first:
+        pass
+    tracer.add("send", 0.0, 1.0)
+    tracer.mark_step(0)
+    assert tracer.spans() == []
+
+
+def test_mark_step_gives_step_times():
+    tracer = tr.Tracer(rank=0, role="trainer")
+    for step in range(3):
+        tracer.mark_step(step)
+        with tracer.span("train", step=step):
+            time.sleep(0.005)
+    tracer.mark_step(3)
+    spans = tracer.spans()
+    marks = [s for s in spans if s["kind"] == tr.STEP_MARK_KIND]
+    assert [m["args"]["step"] for m in marks] == [0, 1, 2, 3]
+    assert all(m["start"] == m["end"] for m in marks)
+    summary = tr.summarize(spans)
+    assert 0.005 <= summary["mean_step_s"] < 0.5
+    assert set(summary["kind_s"]) == {"train"}  # step marks are not busy time
+
+
+def test_align_without_distributed_resets_t0():
+    tracer = tr.Tracer(rank=0, role="trainer")
+    with tracer.span("eval"):
+        pass
+    time.sleep(0.002)
+    tracer.align()
+    (span,) = tracer.spans()
+    assert span["end"] < 0  # recorded before the new zero
+    assert tr.gather_spans(tracer) == tracer.spans()  # not initialized -> own spans
+
+
+def test_summarize_merges_overlaps():
+    spans = [
+        # rank 0: train [0, 2] and optimizer [1, 3] overlap -> busy 3; wait is not busy.
+        _span(0, "train", 0.0, 2.0), _span(0, "optimizer", 1.0, 3.0), _span(0, "wait", 3.0, 4.0),
+        # rank 1: [0, 1] + ([2, 3] u [2.5, 3.5]) -> busy 2.5; the nested reward adds nothing.
+        _span(1, "generate", 0.0, 1.0, role="rollout"), _span(1, "generate", 2.0, 3.0, role="rollout"),
+        _span(1, "reward", 2.5, 3.5, role="rollout"), _span(1, "decode", 2.6, 2.7, role="rollout"),
+    ]
+    summary = tr.summarize(spans)
+    assert summary["wall_s"] == pytest.approx(4.0)
+    assert summary["busy_s"] == pytest.approx({0: 3.0, 1: 2.5})
+    assert summary["busy_fraction"] == pytest.approx({0: 0.75, 1: 0.625})
+    assert summary["bubble_fraction"] == pytest.approx(1 - (0.75 + 0.625) / 2)
+    assert summary["roles"] == {0: "trainer", 1: "rollout"}
+    assert summary["kind_s"] == pytest.approx(
+        {"train": 2.0, "optimizer": 2.0, "wait": 1.0, "generate": 2.0, "reward": 1.0, "decode": 0.1})
+    assert summary["mean_step_s"] is None
+    # A rank that recorded nothing is fully idle.
+    with_idle_rank = tr.summarize(spans, num_ranks=3)
+    assert with_idle_rank["busy_fraction"][2] == 0.0
+    assert with_idle_rank["bubble_fraction"] == pytest.approx(1 - (0.75 + 0.625) / 3)
+    empty = tr.summarize([])
+    assert empty["wall_s"] == 0.0 and empty["bubble_fraction"] == 0.0
+
+
+def _check_chrome_trace(path, expected_ranks):
+    data = json.loads(Path(path).read_text())
+    assert data["displayTimeUnit"] == "ms"
+    events = data["traceEvents"]
+    complete = [e for e in events if e["ph"] == "X"]
+    assert complete
+    for event in complete:
+        for key in ("ts", "dur", "pid", "tid", "name"):
+            assert key in event, (key, event)
+        assert event["dur"] >= 0 and event["ts"] >= 0
+        assert event["name"] in tr.SPAN_KINDS
+    thread_names = {e["tid"]: e["args"]["name"] for e in events
+                    if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert set(thread_names) == set(expected_ranks)
+    assert {e["tid"] for e in complete} == set(expected_ranks)
+    return data, thread_names
+
+
+def test_chrome_trace_and_png_from_one_rank(tmp_path):
+    import torch
+
+    tracer = tr.Tracer(rank=0, role="colocated")
+    tracer.mark_step(0)
+    with tracer.span("train", loss=torch.tensor(0.5), shape=torch.zeros(2, 3)):
+        with tracer.span("optimizer"):
+            pass
+    tracer.add("wait", time.perf_counter() - 5.0, time.perf_counter())  # before t0: shifted
+    spans = tracer.spans()
+    trace_path, png_path = tmp_path / "sub" / "trace.json", tmp_path / "timeline.png"
+    tr.write_chrome_trace(spans, trace_path)
+    tr.write_timeline_png(spans, png_path, title="one rank")
+    data, thread_names = _check_chrome_trace(trace_path, [0])
+    assert thread_names == {0: "rank 0 (colocated)"}
+    train = next(e for e in data["traceEvents"] if e["name"] == "train")
+    assert train["args"]["loss"] == 0.5  # one-element tensor kept as a number
+    assert any(e["ph"] == "i" for e in data["traceEvents"])
+    assert png_path.read_bytes()[:8] == PNG_SIGNATURE
+    assert sorted(p.name for p in tmp_path.rglob("*") if p.is_file()) == ["timeline.png", "trace.json"]
+    tr.write_timeline_png([], tmp_path / "empty.png")  # an empty run still gives a chart
+    assert (tmp_path / "empty.png").stat().st_size > 0
+
+
+def test_measure_overhead_reports_both():
+    result = tr.measure_overhead(n=2000)
+    assert result["enabled_ns"] > 0 and result["disabled_ns"] > 0
+    assert result["disabled_ns"] < 50_000 and result["enabled_ns"] < 50_000  # generous: shared CI
+
+
+def _free_port():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _gather_worker(rank, world_size, port, out_dir):
+    import torch.distributed as dist
+
+    import trace as project_trace  # spawn children inherit the parent's sys.path
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=30))
+    try:
+        tracer = project_trace.Tracer(rank=rank, role="trainer" if rank == 0 else "rollout")
+        tracer.align()
+        tracer.mark_step(0)
+        with tracer.span("generate" if rank else "train", step=0, who=rank):
+            time.sleep(0.01 * (rank + 1))
+        with tracer.span("wait", step=0):
+            dist.barrier()
+        tracer.mark_step(1)
+        spans = project_trace.gather_spans(tracer)
+        if rank == 0:
+            project_trace.write_chrome_trace(spans, os.path.join(out_dir, "trace.json"))
+            project_trace.write_timeline_png(spans, os.path.join(out_dir, "timeline.png"),
+                                             title="gather test")
+            with open(os.path.join(out_dir, "summary.json"), "w") as f:
+                json.dump(project_trace.summarize(spans, num_ranks=world_size), f)
+        elif spans is not None:
+            raise AssertionError(f"rank {rank} got spans from gather_spans")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gather_from_every_rank(tmp_path):
+    world_size = 3
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_gather_worker, args=(rank, world_size, port, str(tmp_path)))
+             for rank in range(world_size)]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + 90
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    hung = [proc for proc in procs if proc.is_alive()]
+    for proc in hung:
+        proc.kill()
+        proc.join(5)
+    assert not hung, "gather test ranks hung and were killed"
+    assert [proc.exitcode for proc in procs] == [0] * world_size
+
+    data, thread_names = _check_chrome_trace(tmp_path / "trace.json", range(world_size))
+    assert thread_names == {0: "rank 0 (trainer)", 1: "rank 1 (rollout)", 2: "rank 2 (rollout)"}
+    work = {e["tid"]: e for e in data["traceEvents"] if e["name"] in ("train", "generate")}
+    assert {tid: e["args"]["who"] for tid, e in work.items()} == {0: 0, 1: 1, 2: 2}
+    assert work[2]["dur"] >= 30_000  # rank 2 slept 30 ms, in microseconds
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == PNG_SIGNATURE
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert len(summary["busy_fraction"]) == world_size
+    assert 0.0 <= summary["bubble_fraction"] < 1.0

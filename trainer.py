@@ -1,0 +1,208 @@
+"""Trainer: loss over (sample, timestep) pairs, gradient accumulation, clipping, AdamW, one step per batch.
+
+Every pair carries weight 1/(N T_train) (DESIGN.md section 3), so whichever rank trains whichever
+pair, in whatever packing and order, the summed gradient is the full-batch mean's gradient. The
+placement code (runtime.py) decides which pairs this rank trains; this file only trains them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+
+import grpo
+from rollout import step_fn
+from tag import RunningMean
+from tsp import gather_pairs
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    adam_eps: float = 1e-8
+    clip_range: float = 1e-2
+    max_grad_norm: float = 1.0
+    beta: float = 0.0  # KL weight against the reference policy
+    noise_level: float = 0.7
+    algo: str = "flow_grpo"
+    max_bad_steps: int = 3
+
+
+class MetricSums:
+    """Per-step metric accumulators, reduced across a process group in one collective per kind."""
+
+    def __init__(self):
+        self.sums: dict[str, float] = {}
+        self.mins: dict[str, float] = {}
+        self.maxs: dict[str, float] = {}
+
+    def add(self, name: str, value) -> None:
+        self.sums[name] = self.sums.get(name, 0.0) + float(value)
+
+    def low(self, name: str, value) -> None:
+        self.mins[name] = min(self.mins.get(name, math.inf), float(value))
+
+    def high(self, name: str, value) -> None:
+        self.maxs[name] = max(self.maxs.get(name, -math.inf), float(value))
+
+    def reduce(self, group, names: tuple[list[str], list[str], list[str]] | None = None) -> None:
+        """Sum/min/max over `group`; every rank must hold the same key sets (pass `names` to force them)."""
+        if group is None or dist.get_world_size(group) == 1:
+            return
+        for store, op, empty in ((self.sums, dist.ReduceOp.SUM, 0.0), (self.mins, dist.ReduceOp.MIN, math.inf),
+                                 (self.maxs, dist.ReduceOp.MAX, -math.inf)):
+            keys = sorted(store)
+            gathered: list = [None] * dist.get_world_size(group)
+            dist.all_gather_object(gathered, keys, group=group)
+            keys = sorted(set().union(*gathered))
+            values = torch.tensor([store.get(k, empty) for k in keys], dtype=torch.float64)
+            dist.all_reduce(values, op=op, group=group)
+            store.clear()
+            store.update(zip(keys, values.tolist()))
+
+
+class Trainer:
+    def __init__(self, policy, cfg: TrainConfig, group=None, comm_device="cpu", sharded: bool = False):
+        self.policy, self.cfg, self.group, self.comm_device, self.sharded = policy, cfg, group, comm_device, sharded
+        self.params = [p for p in policy.transformer.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("the transformer has no trainable parameters")
+        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
+        self.step_fn = step_fn(cfg.algo)
+        self.version = 0  # the weights version this trainer holds (= optimizer steps taken)
+        self.bad_steps_in_a_row = 0
+        self.metrics = MetricSums()
+        # TAG's running estimates (seconds per fragment) and how many fragments it generated per step.
+        self.tag_estimates = {"gen_rollout": RunningMean(1.0), "gen_trainer": RunningMean(1.0), "train": RunningMean(0.0)}
+        self.assisted: dict[int, int] = {}
+
+    # --- one pack of pairs -------------------------------------------------------------------
+    def pair_loss(self, batch, weights: torch.Tensor, stale: bool):
+        """Loss of packed pairs (per-sample timesteps in one forward), weighted; returns (loss, stats, logp)."""
+        policy = self.policy
+        v = policy.velocity(batch["latents"], batch["sigma"], batch["cond"])  # [p, ...] float32
+        _, logp, mean, std = self.step_fn(v, batch["latents"], batch["sigma"], batch["sigma_next"],
+                                          self.cfg.noise_level, prev_sample=batch["next_latents"])
+        # On-policy: old = detached current (ratio exactly 1, same gradient); stale (TCSS): the behaviour log-prob.
+        old = batch["old_log_prob"].to(logp.device) if stale else logp.detach()
+        adv = batch["advantages"].to(logp.device)
+        loss, stats = grpo.policy_loss(logp, old, adv, self.cfg.clip_range, weights)
+        if self.cfg.beta > 0:
+            with torch.no_grad(), policy.reference() as ref:
+                v_ref = policy.velocity(batch["latents"], batch["sigma"], batch["cond"], transformer=ref)
+                _, _, ref_mean, _ = self.step_fn(v_ref, batch["latents"], batch["sigma"], batch["sigma_next"],
+                                                 self.cfg.noise_level, prev_sample=batch["next_latents"])
+            kl = grpo.kl_loss(mean, ref_mean, std)  # [p]
+            loss = loss + self.cfg.beta * (kl * weights).sum()
+            stats["kl"] = (kl.detach() * (weights > 0)).sum() / (weights > 0).sum().clamp(min=1)
+        return loss, stats, logp.detach()
+
+    def accumulate(self, fragment, packs, masks, total_pairs: int) -> None:
+        """Forward+backward over this rank's packs of a fragment; gradients add into .grad."""
+        staleness = self.version - fragment.policy_version
+        assert staleness in (0, 1), f"fragment {fragment.index} of step {fragment.step} has staleness {staleness}: only 0 or 1 is allowed"
+        stale = staleness == 1
+        tag = "stale" if stale else "fresh"
+        for pack, mask in zip(packs, masks):
+            batch = gather_pairs(fragment, pack)
+            mask_t = torch.tensor(mask, dtype=torch.float32, device=self.policy.device)  # [p]
+            weights = mask_t / total_pairs  # 1/(N T_train) per real pair, 0 for padding
+            loss, stats, logp = self.pair_loss(batch, weights, stale)
+            loss.backward()
+            real = float(mask_t.sum())
+            if real == 0:
+                continue
+            m = self.metrics
+            m.add("loss", loss.detach())
+            m.add("pairs", real)
+            m.add(f"pairs_{tag}", real)
+            for k in ("approx_kl", "clipfrac", "ratio_mean") + (("kl",) if "kl" in stats else ()):
+                m.add(k, stats[k] * real)
+            m.add(f"ratio_mean_{tag}", stats["ratio_mean"] * real)
+            m.low("ratio_min", stats["ratio_min"]); m.high("ratio_max", stats["ratio_max"])  # noqa: E702
+            m.low(f"ratio_min_{tag}", stats["ratio_min"]); m.high(f"ratio_max_{tag}", stats["ratio_max"])  # noqa: E702
+            gap = ((logp - batch["old_log_prob"].to(logp.device)).abs() * mask_t).sum()
+            m.add("logprob_gap", gap)  # |trainer log-prob - rollout log-prob|: numerics, or staleness
+
+    def count_fragment(self, fragment, reward_names: list[str]) -> None:
+        """Reward and staleness metrics of a fragment (call on exactly one trainer per fragment)."""
+        m, n = self.metrics, fragment.num_samples
+        staleness = self.version - fragment.policy_version
+        m.add("trajectories", n)
+        m.add("stale_trajectories", n * (staleness > 0))
+        m.add("staleness_sum", n * staleness)
+        m.add("fragments", 1)
+        m.add("stale_fragments", int(staleness > 0))
+        m.add("tag_fragments", int(fragment.producer == -2))
+        r = fragment.rewards.to(torch.float64)
+        m.add("reward_sum", r.sum()); m.add("reward_sq", (r**2).sum())  # noqa: E702
+        for i, name in enumerate(reward_names):
+            part = fragment.reward_parts[:, i].to(torch.float64)
+            m.add(f"reward_{name}_sum", part.sum()); m.add(f"reward_{name}_sq", (part**2).sum())  # noqa: E702
+        groups = r.reshape(-1, fragment.group_size)
+        m.add("groups", groups.shape[0])
+        m.add("zero_std_groups", (groups.std(dim=1, unbiased=False) < 1e-6).sum())
+
+    # --- the optimizer step --------------------------------------------------------------------
+    def step(self, reward_names: list[str]) -> dict[str, float]:
+        """All-reduce gradients (sum) over the trainer group, clip, AdamW step; returns the step metrics."""
+        if not self.sharded and self.group is not None and dist.get_world_size(self.group) > 1:
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
+            flat = flat.to(self.comm_device)
+            dist.all_reduce(flat, group=self.group)
+            offset = 0
+            for p in self.params:
+                n = p.numel()
+                p.grad = flat[offset:offset + n].view_as(p).to(p.device, p.dtype)
+                offset += n
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        self.metrics.reduce(self.group)
+        finite = math.isfinite(grad_norm) and math.isfinite(self.metrics.sums.get("loss", 0.0))
+        if finite:
+            self.optimizer.step()
+            self.bad_steps_in_a_row = 0
+        else:  # skip: weights and optimizer state stay as they were
+            self.bad_steps_in_a_row += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        out = summarize(self.metrics, reward_names)
+        out.update(grad_norm=grad_norm, skipped_step=float(not finite), bad_steps_in_a_row=float(self.bad_steps_in_a_row))
+        self.metrics = MetricSums()
+        if self.bad_steps_in_a_row >= self.cfg.max_bad_steps:
+            raise FloatingPointError(f"{self.bad_steps_in_a_row} optimizer steps in a row had a non-finite loss or "
+                                     f"gradient (--max-bad-steps {self.cfg.max_bad_steps}); aborting")
+        return out
+
+
+def summarize(m: MetricSums, reward_names: list[str]) -> dict[str, float]:
+    s = m.sums
+    pairs, traj = max(s.get("pairs", 0.0), 1.0), max(s.get("trajectories", 0.0), 1.0)
+    out = {"loss": s.get("loss", 0.0)}
+    for k in ("approx_kl", "clipfrac", "ratio_mean", "kl"):
+        if k in s:
+            out[k] = s[k] / pairs
+    out["logprob_gap"] = s.get("logprob_gap", 0.0) / pairs
+    out["ratio_min"], out["ratio_max"] = m.mins.get("ratio_min", 1.0), m.maxs.get("ratio_max", 1.0)
+    for tag in ("fresh", "stale"):
+        if s.get(f"pairs_{tag}", 0) > 0:
+            out[f"ratio_mean_{tag}"] = s[f"ratio_mean_{tag}"] / s[f"pairs_{tag}"]
+            out[f"ratio_min_{tag}"], out[f"ratio_max_{tag}"] = m.mins[f"ratio_min_{tag}"], m.maxs[f"ratio_max_{tag}"]
+    mean = s.get("reward_sum", 0.0) / traj
+    out["reward_mean"] = mean
+    out["reward_std"] = max(s.get("reward_sq", 0.0) / traj - mean**2, 0.0) ** 0.5
+    for name in reward_names:
+        mu = s.get(f"reward_{name}_sum", 0.0) / traj
+        out[f"reward_{name}_mean"] = mu
+        out[f"reward_{name}_std"] = max(s.get(f"reward_{name}_sq", 0.0) / traj - mu**2, 0.0) ** 0.5
+    out["zero_std_group_frac"] = s.get("zero_std_groups", 0.0) / max(s.get("groups", 0.0), 1.0)
+    out["stale_frac"] = s.get("stale_trajectories", 0.0) / traj
+    out["staleness_mean"] = s.get("staleness_sum", 0.0) / traj
+    out["stale_fragments"] = s.get("stale_fragments", 0.0)
+    out["tag_fragments"] = s.get("tag_fragments", 0.0)
+    out["trajectories"] = s.get("trajectories", 0.0)
+    out["pairs"] = s.get("pairs", 0.0)
+    return out
