@@ -36,6 +36,10 @@ def run_rank(cfg: config_lib.Config, rank: int, world: int, local_rank: int, mas
     from trainer import TrainConfig, Trainer
 
     torch.set_num_threads(cfg.threads)
+    run_path = cfg.resume or os.path.join(cfg.out_dir, cfg.run_name or config_lib.default_run_name(cfg))
+    os.makedirs(os.path.join(run_path, "pids"), exist_ok=True)  # so operators (and tests) can find each rank
+    with open(os.path.join(run_path, "pids", f"rank{rank}.pid"), "w") as f:
+        f.write(f"{os.getpid()} {role_of(cfg, rank, world)}\n")
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     device = f"cuda:{local_rank % torch.cuda.device_count()}" if use_cuda else "cpu"
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.dtype, torch.bfloat16 if use_cuda else torch.float32)
@@ -98,7 +102,6 @@ def run_rank(cfg: config_lib.Config, rank: int, world: int, local_rank: int, mas
 
     run_dir, bar = None, None
     if rank == groups.leader:
-        run_path = cfg.resume or os.path.join(cfg.out_dir, cfg.run_name or config_lib.default_run_name(cfg))
         run_dir = runio.RunDir(run_path, config_lib.to_json(cfg), cfg.tensorboard, cfg.keep_checkpoints)
         if cfg.resume:
             run_dir.truncate_metrics(job.start_step)

@@ -1,0 +1,132 @@
+"""Bad input fails before any rank starts; resume continues exactly; a dead rank ends the whole job."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import main
+from conftest import ROOT, read_metrics, run_main
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def bad_files(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"\xff\xfe\x00\x81")
+    partial = tmp_path / "partial_pipeline"
+    partial.mkdir()
+    (partial / "model_index.json").write_text('{"_class_name": "FluxPipeline", "transformer": ["diffusers", "X"]}')
+    not_a_run = tmp_path / "not_a_run"
+    not_a_run.mkdir()
+    return {"empty": str(empty), "binary": str(binary), "partial": str(partial), "not_a_run": str(not_a_run)}
+
+
+BAD = [
+    (["--model", "sdxl"], "unknown --model 'sdxl'; known models: flux"),
+    (["--reward", "colour"], "colour"),
+    (["--reward", "color=abc"], "abc"),
+    (["--reward", ""], "reward"),
+    (["--reward", "clip_score"], "--clip-path"),
+    (["--reward", "remote", "--remote-url", "ftp://x"], "ftp://x"),
+    (["--pretrained", "/nonexistent/flux"], "/nonexistent/flux"),
+    (["--pretrained", "{partial}"], "missing the component"),
+    (["--prompts-per-step", "3", "--fragment-groups", "2"], "--fragment-groups 2 must divide --prompts-per-step 3"),
+    (["--group-size", "0"], "--group-size must be a positive integer, got 0"),
+    (["--group-size", "1"], "--group-size must be >= 2"),
+    (["--steps", "-1"], "--steps must be a positive integer"),
+    (["--num-steps", "1"], "--num-steps must be >= 2"),
+    (["--prompt-file", "/nonexistent/prompts.txt"], "/nonexistent/prompts.txt"),
+    (["--prompt-file", "{empty}"], "has no prompts"),
+    (["--prompt-file", "{binary}"], "cannot be read"),
+    (["--placement", "disaggregated", "--rollout-ranks", "2", "--nproc", "2"], "--rollout-ranks 2 must be between 1 and 1"),
+    (["--placement", "disaggregated", "--rollout-ranks", "0", "--nproc", "3"], "--rollout-ranks 0"),
+    (["--mode", "naive", "--nproc", "1"], "at least 2 ranks"),
+    (["--placement", "disaggregated", "--gap", "--fsdp"], "--fsdp needs --tsp"),
+    (["--placement", "colocated", "--gap"], "need --placement disaggregated"),
+    (["--placement", "disaggregated", "--tag"], "--tag needs --gap and --tsp"),
+    (["--mode", "warp"], "--mode 'warp' is not one of"),
+    (["--mode", "colocated", "--tsp"], "--mode colocated sets tsp"),
+    (["--timestep-fraction", "1.5"], "--timestep-fraction must be in (0, 1]"),
+    (["--lr", "-1"], "--lr must be a positive number"),
+    (["--noise-level", "0"], "--noise-level must be > 0"),
+    (["--resolution", "40"], "--resolution must be a multiple of 16"),
+    (["--algo", "ppo"], "--algo 'ppo'"),
+    (["--resume", "/nonexistent/run"], "--resume '/nonexistent/run' is not a directory"),
+    (["--resume", "{not_a_run}"], "has no complete checkpoint"),
+    (["--device", "tpu"], "--device 'tpu'"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[" ".join(a) or "empty" for a, _ in BAD])
+def test_bad_input_is_refused_before_any_rank_starts(args, message, bad_files, monkeypatch, tiny_cache):
+    args = [a.format(**bad_files) for a in args]
+    spawned = []
+    monkeypatch.setattr(main, "launch", lambda cfg: spawned.append(cfg) or 0)
+    monkeypatch.setattr(main, "run_rank", lambda *a, **k: spawned.append(a))
+    with pytest.raises((ValueError, FileNotFoundError)) as info:
+        main.prepare(args)
+    assert message in str(info.value)
+    assert main.main(args) == 2
+    assert not spawned
+
+
+def test_unknown_flag_and_help_exit_cleanly():
+    proc = subprocess.run([sys.executable, "main.py", "--model", "nope"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "known models" in proc.stderr
+
+
+def test_resume_continues_with_the_same_metrics(tiny_cache, tmp_path):
+    args = ["--mode", "colocated", "--nproc", "1", "--prompts-per-step", "2", "--group-size", "3", "--num-steps", "3",
+            "--eval-every", "0", "--save-every", "1", "--seed", "5"]
+    run_main([*args, "--steps", "3", "--run-name", "straight"], tmp_path, tiny_cache)
+    run_main([*args, "--steps", "2", "--run-name", "stopped"], tmp_path, tiny_cache)
+    run_main([*args, "--steps", "3", "--resume", str(tmp_path / "stopped")], tmp_path, tiny_cache)
+    straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "stopped")
+    assert [r["step"] for r in resumed] == [0, 1, 2]
+    for key in ("reward_mean", "loss", "grad_norm"):
+        assert resumed[2][key] == pytest.approx(straight[2][key], rel=1e-5, abs=1e-9), key
+
+
+def test_resume_refuses_a_checkpoint_of_another_config(tiny_cache, tmp_path):
+    args = ["--mode", "colocated", "--nproc", "1", "--prompts-per-step", "1", "--group-size", "2", "--num-steps", "2",
+            "--eval-every", "0", "--steps", "1"]
+    run_main([*args, "--run-name", "full"], tmp_path, tiny_cache)
+    with pytest.raises(ValueError, match="different model or LoRA config: lora: checkpoint False vs now True"):
+        main.prepare([*args, "--lora", "--resume", str(tmp_path / "full")])
+
+
+@pytest.mark.parametrize("victim", ["rollout", "trainer"])
+def test_killing_a_rank_ends_the_job_with_a_message_naming_it(victim, tiny_cache, tmp_path):
+    env = dict(os.environ, DIGENRL_CACHE=tiny_cache, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "main.py", "--mode", "digenrl", "--nproc", "3", "--rollout-ranks", "2", "--steps", "500",
+           "--prompts-per-step", "2", "--group-size", "2", "--num-steps", "3", "--eval-every", "0", "--save-every", "0",
+           "--timeout-s", "30", "--out-dir", str(tmp_path), "--run-name", "job", "--no-progress"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = tmp_path / "job" / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "the job never got going"
+            time.sleep(0.2)
+        pids = {}
+        for name in os.listdir(tmp_path / "job" / "pids"):
+            pid, role = (tmp_path / "job" / "pids" / name).read_text().split()
+            pids.setdefault(role, []).append((name, int(pid)))
+        rank_file, pid = sorted(pids[victim])[0]
+        os.kill(pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        assert time.monotonic() - killed_at < 30
+        assert proc.returncode != 0
+        rank = rank_file[len("rank"):-len(".pid")]
+        assert f"rank {rank} ({victim}) was killed by signal 9" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -1,0 +1,126 @@
+"""TSP packing gives the per-timestep loop's gradient; TAG's predictor and its hands-off guarantee."""
+import hashlib
+
+import pytest
+import torch
+
+import gap
+import models
+import rewards
+import tag
+import tsp
+from rollout import SamplingConfig, generate_fragment, num_train_timesteps
+from trainer import TrainConfig, Trainer
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_cache):
+    torch.manual_seed(0)
+    policy = models.load("flux", models.tiny_pipeline_path("flux"), "cpu", torch.float32)
+    models.enable_full_training(policy)
+    sampling = SamplingConfig(num_steps=4, noise_level=0.7)
+    reward = rewards.build_reward("color")
+    prompts = rewards.color_prompts("train")
+    spec = gap.fragment_spec(seed=0, step=0, index=0, num_prompts_total=3, prompts_per_step=2, group_size=3,
+                             fragment_groups=2)
+    fragment = generate_fragment(policy, spec, prompts, sampling, reward, version=0, producer=0)
+    return policy, sampling, reward, prompts, spec, fragment
+
+
+def _grads(policy, fragment, packs, masks, total, version_shift=0):
+    trainer = Trainer(policy, TrainConfig(noise_level=0.7))
+    trainer.version = fragment.policy_version + version_shift
+    trainer.accumulate(fragment, packs, masks, total)
+    grads = [p.grad.clone() for p in trainer.params]
+    trainer.optimizer.zero_grad(set_to_none=True)
+    return grads
+
+
+@pytest.mark.parametrize("stale", [0, 1])
+def test_packed_pairs_give_the_per_timestep_loop_gradient(setup, stale):
+    policy, sampling, *_, fragment = setup
+    m, t_train = fragment.latents.shape[:2]
+    total = m * t_train
+    loop = tsp.per_timestep_packs(m, t_train)
+    reference = _grads(policy, fragment, loop, [[1.0] * len(p) for p in loop], total, stale)
+    mixed = False
+    for world, pack in [(1, 3), (1, 5), (2, 4)]:
+        summed = None
+        for rank in range(world):  # the K trainers' shares, summed as the all-reduce would
+            packs, masks = tsp.tsp_packs(m, t_train, rank, world, pack)
+            mixed |= any(len({j for _, j in p}) > 1 for p in packs)
+            g = _grads(policy, fragment, packs, masks, total, stale)
+            summed = g if summed is None else [a + b for a, b in zip(summed, g)]
+        for a, b in zip(summed, reference):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+    assert mixed, "some packs should mix timesteps in one forward"
+
+
+def test_tsp_shards_cover_every_pair_once_with_equal_pass_counts():
+    for m, t_train, world, pack in [(6, 5, 2, 4), (4, 3, 3, 2), (8, 7, 4, 8), (3, 1, 2, 1)]:
+        seen, passes = [], set()
+        for rank in range(world):
+            packs, masks = tsp.tsp_packs(m, t_train, rank, world, pack)
+            passes.add((len(packs), tuple(len(p) for p in packs)))
+            seen += [pair for p, mk in zip(packs, masks) for pair, w in zip(p, mk) if w == 1.0]
+        assert sorted(seen) == sorted((i, j) for i in range(m) for j in range(t_train))
+        assert len(passes) == 1  # every rank runs the same number and size of passes (FSDP needs it)
+        assert next(iter(passes))[0] == tsp.num_passes(m, t_train, world, pack)
+
+
+def test_same_fragment_same_trajectories_whoever_generates_it(setup):
+    policy, sampling, reward, prompts, spec, fragment = setup
+    again = generate_fragment(policy, spec, prompts, sampling, reward, version=0, producer=5)
+    for k, v in fragment.tensors().items():
+        assert torch.equal(v, again.tensors()[k]), k
+    # a sub-fragment of one group (TAG with K > 1 splits a fragment by groups) gives the same rows
+    half = gap.FragmentSpec(spec.step, spec.index, spec.prompt_ids[:3], spec.init_seeds[:3], spec.noise_seeds[:3], 3)
+    part = generate_fragment(policy, half, prompts, sampling, reward, version=0, producer=5)
+    torch.testing.assert_close(part.latents, fragment.latents[:3], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(part.log_probs, fragment.log_probs[:3], rtol=1e-5, atol=1e-6)
+
+
+def _checksum(tensors):
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def test_tag_generation_leaves_params_grads_and_optimizer_state_bit_identical(setup):
+    policy, sampling, reward, prompts, spec, fragment = setup
+    trainer = Trainer(policy, TrainConfig(noise_level=0.7))
+    m, t_train = fragment.latents.shape[:2]
+    trainer.accumulate(fragment, *tsp.tsp_packs(m, t_train, 0, 1, 4), m * t_train)
+    trainer.optimizer.step()  # optimizer state exists
+    trainer.accumulate(fragment, *tsp.tsp_packs(m, t_train, 0, 1, 4), m * t_train)  # grads accumulated
+    state = lambda: (_checksum(trainer.params), _checksum(p.grad for p in trainer.params),  # noqa: E731
+                     _checksum(v for s in trainer.optimizer.state.values() for v in s.values()))
+    before = state()
+    other = gap.fragment_spec(0, 0, 1, 3, 4, 3, 2)
+    generate_fragment(policy, other, prompts, sampling, reward, version=trainer.version, producer=-2)
+    assert state() == before
+    trainer.optimizer.zero_grad(set_to_none=True)
+
+
+def test_predictor_declines_when_training_is_the_bottleneck_and_accepts_when_generation_is():
+    training_bound = tag.StepState(unclaimed=4, in_flight=1, waiting=0, rollout_ranks=1,
+                                   gen_rollout_s=1.0, gen_trainer_s=1.0, train_s=5.0)
+    assert not tag.should_assist(training_bound)
+    generation_bound = tag.StepState(unclaimed=4, in_flight=1, waiting=0, rollout_ranks=1,
+                                     gen_rollout_s=5.0, gen_trainer_s=5.0, train_s=1.0)
+    assert tag.should_assist(generation_bound)
+    assert tag.predict_step_end(generation_bound, True) < tag.predict_step_end(generation_bound, False)
+    # nothing left to claim: never assist; a much slower trainer GPU: decline
+    assert not tag.should_assist(tag.StepState(0, 2, 0, 1, 5.0, 5.0, 1.0))
+    assert not tag.should_assist(tag.StepState(1, 1, 0, 1, 5.0, 50.0, 1.0))
+    # with many rollout ranks the last fragment is better left to them
+    assert not tag.should_assist(tag.StepState(1, 7, 0, 8, 5.0, 5.0, 1.0))
+
+
+def test_num_train_timesteps_and_dance_subsets():
+    assert num_train_timesteps(SamplingConfig(num_steps=10)) == 9
+    assert num_train_timesteps(SamplingConfig(num_steps=10, timestep_fraction=0.4)) == 4
+    assert num_train_timesteps(SamplingConfig(num_steps=10, algo="dance_grpo", timestep_fraction=0.6)) == 6
