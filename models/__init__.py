@@ -65,7 +65,7 @@ class Policy:
                  max_sequence_length: int = 512, guidance: float | None = None):
         self.family, self.pipe, self.device, self.dtype = family, pipe, torch.device(device), dtype
         self.height, self.width, self.frames = height, width, frames
-        tok = getattr(pipe, "tokenizer_2", None) or getattr(pipe, "tokenizer", None)
+        tok = getattr(pipe, family.sequence_tokenizer, None) or getattr(pipe, "tokenizer", None)
         self.max_sequence_length = min(max_sequence_length, getattr(tok, "model_max_length", max_sequence_length))
         self.guidance = family.default_guidance if guidance is None else guidance
         self._prompt_cache: dict[str, dict[str, torch.Tensor]] = {}

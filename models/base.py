@@ -23,6 +23,7 @@ class Family:
     tiny_resolution = 32  # pixels of the tiny pipeline's images (height = width)
     tiny_frames = 1
     default_guidance = 3.5  # embedded guidance (FLUX, HunyuanVideo) or true-CFG scale (Qwen, Wan)
+    sequence_tokenizer = "tokenizer_2"  # whose model_max_length caps max_sequence_length (else "tokenizer")
 
     def pipeline_class(self):
         import diffusers
