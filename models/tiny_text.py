@@ -62,7 +62,7 @@ def vocab_size(tokenizer) -> int:
 
 def _byte_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable unicode table (what tokenizers' ByteLevel pre-tokenizer emits)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + list(range(ord("\xae"), ord("\xff") + 1))
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
     codes, extra = list(printable), 0
     for b in range(256):
         if b not in printable:
@@ -112,15 +112,15 @@ def _fit_prefix(build, prefix: str, target: int):
     return tok
 
 
-def _template_words(prefix: str) -> tuple[list[str], list[str]]:
+def _template_words(text: str) -> tuple[list[str], list[str]]:
     """Words of the prompt vocabulary and of the template (as " word"), and the template's segment-initial words
-    (bare `word`, no space before them). Bare chains have no boundary marker, so several of them can break each
-    other's merges; keeping them to the template's two or three makes that impossible here (and `_fit_prefix`
-    counts the result anyway). A prompt's first word is not space-prefixed and falls back to characters."""
+    (bare `word`, no space before them: system, user, ...). Bare chains have no boundary marker, so they can break
+    each other's merges; keeping them to these few avoids that for the two templates here (and `_fit_prefix` counts
+    the result anyway). A prompt's first word is not space-prefixed and falls back to characters."""
     import re
 
-    template = re.findall(r"[A-Za-z]+", prefix)
-    bare = re.findall(r"(?:^|[\n>])([A-Za-z]+)", prefix)
+    template = re.findall(r"[A-Za-z]+", text)
+    bare = re.findall(r"(?:^|[\n>])([A-Za-z]+)", text)  # after a newline or a special token
     return WORDS + template, bare
 
 
