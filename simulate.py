@@ -49,7 +49,8 @@ class Costs:
     reward_s: float = 0.0  # per trajectory
     transfer_s: float = 0.0  # per fragment, trainer side (receive; again as a broadcast under TSP with K > 1)
     publish_s: float = 0.0  # per version, trainer leader
-    optimizer_s: float = 0.0  # per step, every trainer (gradient all-reduce included)
+    optimizer_s: float = 0.0  # per step, every training rank: clip + AdamW
+    allreduce_s: float = 0.0  # per step, when more than one rank trains: gradient all-reduce + metric reduction
     step_overhead_s: float = 0.0  # per step, trainer leader: metrics, logging
     weights_latency_s: float = 0.0  # publish end -> rollout generates with the new weights (idle, not busy)
     switch_s: float = 0.0  # colocated only: offload + reload per step on every rank
@@ -66,10 +67,6 @@ class Cluster:
     trainer_kind: str = "h200"
     speeds: dict = dataclasses.field(default_factory=lambda: {"h200": 1.0})
 
-    @property
-    def trainer_ranks(self) -> int:
-        return self.nproc - self.rollout_ranks
-
     def speed(self, rank: int) -> float:
         return self.speeds.get(self.rollout_kind if rank < self.rollout_ranks else self.trainer_kind, 1.0)
 
@@ -83,7 +80,7 @@ class Workload:
     fragment_groups: int = 1
     max_stale: int = 1  # j
     tsp_pack: int = 4
-    steps: int = 8  # simulated RL steps: `warmup` first and the last one are not measured
+    steps: int = 10  # simulated RL steps: the `warmup` first and the last one are not measured
     warmup: int = 2
 
     @property
@@ -206,8 +203,8 @@ def simulate(mode: str, costs: Costs, cluster: Cluster, wl: Workload) -> StepRep
     """Simulate `wl.steps` RL steps of `mode`; return the steady-state StepReport."""
     placement, gap_on, tsp_on, tag_on, async_on = MODES[mode]
     P, R, M, S = cluster.nproc, cluster.rollout_ranks, wl.fragments, wl.steps
-    if S < wl.warmup + 2:
-        raise ValueError("simulate at least warmup + 2 steps")
+    if S < wl.warmup + 4:  # a short window can catch the stale-prefetch pattern mid-cycle
+        raise ValueError(f"simulate at least warmup + 4 steps, got {S}")
     sim = _Sim()
     claims, announced, stale_budget = defaultdict(int), defaultdict(list), defaultdict(int)
     assisted, barrier = defaultdict(int), defaultdict(int)
@@ -218,8 +215,8 @@ def simulate(mode: str, costs: Costs, cluster: Cluster, wl: Workload) -> StepRep
         claims[step] += 1
         return claims[step] - 1 if claims[step] <= M else None
 
-    def finish_step(ranks, step, is_leader, publish):
-        yield from sim.busy(ranks, costs.optimizer_s)  # the all-reduce makes every trainer end together
+    def finish_step(ranks, step, is_leader, publish, training_ranks):
+        yield from sim.busy(ranks, costs.optimizer_s + (costs.allreduce_s if training_ranks > 1 else 0.0))
         if is_leader:
             yield from sim.busy(ranks[:1], costs.step_overhead_s)
             step_end[step] = sim.now
@@ -230,12 +227,13 @@ def simulate(mode: str, costs: Costs, cluster: Cluster, wl: Workload) -> StepRep
     if placement == "colocated":
         def colocated(rank):
             mine = range(rank, M, P)
-            gen, train = generation_s(costs, wl.m, wl.num_steps, cluster.speed(rank)), train_dealt_s(costs, wl, cluster.speed(rank))
+            speed = cluster.speed(rank)
+            gen, train = generation_s(costs, wl.m, wl.num_steps, speed), train_dealt_s(costs, wl, speed)
             for step in range(S):
                 yield from sim.busy([rank], costs.switch_s + len(mine) * (gen + train))
                 barrier[step] += 1
                 yield ("until", lambda: barrier[step] == P)
-                yield from finish_step([rank], step, rank == 0, publish=False)
+                yield from finish_step([rank], step, rank == 0, False, P)
         for rank in range(P):
             sim.spawn(colocated(rank))
         sim.run()
@@ -282,7 +280,7 @@ def simulate(mode: str, costs: Costs, cluster: Cluster, wl: Workload) -> StepRep
                 yield from sim.busy([rank], len(mine) * train)
             barrier[step] += 1
             yield ("until", lambda: barrier[step] == K)
-            yield from finish_step([rank], step, k == 0, publish=True)
+            yield from finish_step([rank], step, k == 0, True, K)
 
     share = math.ceil(wl.fragment_groups / K) * wl.group_size  # TAG: the largest share of a fragment's groups
     gen_trainer = generation_s(costs, share, wl.num_steps, t_speed) + (costs.transfer_s if K > 1 else 0.0)
@@ -318,7 +316,7 @@ def simulate(mode: str, costs: Costs, cluster: Cluster, wl: Workload) -> StepRep
                 else:
                     held += 1
             yield from sim.busy(trainers, held * train_fragment)
-            yield from finish_step(trainers, step, True, publish=True)
+            yield from finish_step(trainers, step, True, True, K)
 
     for rank in range(R):
         sim.spawn(rollout(rank))
@@ -366,55 +364,39 @@ def best_split(mode: str, costs: Costs, cluster: Cluster, wl: Workload) -> StepR
 
 # --- profiles -----------------------------------------------------------------------------------
 def load_costs(path: str) -> tuple[Costs, dict]:
-    """A bench-produced costs JSON -> (Costs, the rest of the file: workload, cluster, provenance)."""
+    """A bench-produced costs JSON -> (Costs, the whole file: it also holds the workload and cluster)."""
     with open(path) as f:
         data = json.load(f)
     costs = Costs(**data["costs"])
-    costs.forward_s = {int(k): v for k, v in costs.forward_s.items()}
-    costs.train_s = {int(k): v for k, v in costs.train_s.items()}
+    costs.forward_s, costs.train_s = ({int(k): v for k, v in t.items()} for t in (costs.forward_s, costs.train_s))
     return costs, data
 
 
-LINK_BYTES_PER_S = 25e9  # assumed inter-node bandwidth (200 Gb/s InfiniBand) for fragments and weights
+def paper_settings() -> dict:
+    with open(os.path.join(PROFILE_DIR, "paper_settings.json")) as f:
+        return json.load(f)
 
 
-def _rows(data, key, **match):
-    return {r["bs"]: r["sec"] / r["bs"] for r in data.get(key, data.get("rows", []))
-            if "sec" in r and all(r.get(k) == v for k, v in match.items())}
-
-
-PAPER_MODELS = {
-    # label: (profile file, forward rows, train rows, true CFG, params, T, trained fraction, G, pack, per-trajectory
-    #         fragment bytes per trained step (2 latents, fp32), text bytes, decode s, reward s)
-    "FLUX.1-dev-12B 512px": ("h200_flux1dev_12b.json", dict(key="rollout_forward_per_step", res=512),
-                             dict(key="train_lora_r32_fwd_bwd_per_timestep", res=512, ckpt=False), False, 11.9e9,
-                             20, 0.6, 12, 4, 2 * 1024 * 64 * 4, 512 * 4096 * 4, None, 0.02),
-    "Qwen-Image-20B 512px": ("h200_qwenimage_20b.json", dict(key="rows", what="rollout_fwd", case=512),
-                             dict(key="rows", what="train_fwd_bwd_ckpt_fewgrads", case=512), True, 20.4e9,
-                             30, 0.4, 12, 4, 2 * 1024 * 64 * 4, 256 * 3584 * 4, 0.0119, 0.02),
-    "Wan2.1-14B 33x480x832": ("h200_wan21_14b.json", dict(key="rollout_forward_per_step", frames=33, h=480),
-                              dict(key="train_fwd_bwd_per_timestep", frames=33, h=480), False, 14.3e9,
-                              40, 0.4, 8, 1, 2 * 9 * 60 * 104 * 16 * 4, 512 * 4096 * 4, 1.2, 0.1),
-    "HunyuanVideo-13B 33x480x832": ("h200_hunyuanvideo_13b.json", dict(key="rows", what="rollout_fwd", case=[33, 480, 832]),
-                                    dict(key="rows", what="train_fwd_bwd_ckpt_fewgrads", case=[33, 480, 832]), False,
-                                    12.8e9, 30, 0.4, 8, 1, 2 * 9 * 60 * 104 * 16 * 4, 256 * 4096 * 4, 1.2, 0.1),
-}
-FLUX_LORA_BYTES, FLUX_LORA_D2H_S = 104595456, 0.1055  # from h200_flux1dev_12b.json
+def paper_workload(label: str, max_stale: int = 1) -> Workload:
+    s, p = paper_settings()["models"][label], paper_settings()
+    return Workload(groups=p["batch_groups"], group_size=s["G"], num_steps=s["T"], train_steps=round(s["frac"] * s["T"]),
+                    fragment_groups=p["fragment_groups"], tsp_pack=s["pack"], max_stale=max_stale, steps=8)
 
 
 def paper_costs(label: str, fragment_m: int, train_steps: int) -> Costs:
-    """H200 costs of a seed model from profiles/h200_*.json (assumptions: see print_paper's header)."""
-    fname, fwd, train, cfg, params, *_, pack, traj_bytes, text_bytes, decode, reward = (*PAPER_MODELS[label],)
-    with open(os.path.join(PROFILE_DIR, fname)) as f:
+    """H200 costs of a seed model: profiles/h200_*.json rows plus the assumptions in profiles/paper_settings.json."""
+    p = paper_settings()
+    s = p["models"][label]
+    with open(os.path.join(PROFILE_DIR, s["file"])) as f:
         data = json.load(f)
-    forward_s, train_s = _rows(data, **fwd), _rows(data, **train)
-    if decode is None:
-        decode = min(r["sec_per_sample"] for r in data["vae_decode"] if r["res"] == 512)
-    lora_bytes = FLUX_LORA_BYTES * params / 11.9e9
-    transfer = fragment_m * (train_steps * traj_bytes + text_bytes) / LINK_BYTES_PER_S
-    return Costs(forward_s, train_s, decode_s=decode, reward_s=reward, transfer_s=transfer,
-                 publish_s=FLUX_LORA_D2H_S * params / 11.9e9 + lora_bytes / LINK_BYTES_PER_S, optimizer_s=0.02,
-                 step_overhead_s=0.05, true_cfg=cfg, name=label, provenance=f"measured: profiles/{fname} ({data['gpu']})")
+    rows = lambda key, **match: {r["bs"]: r["sec"] / r["bs"] for r in data[key]  # noqa: E731  (seconds per sample)
+                                 if "sec" in r and all(r.get(k) == v for k, v in match.items())}
+    link, scale = p["link_bytes_per_s"], s["params"] / p["flux_params"]  # LoRA size scales with the model
+    return Costs(rows(**s["forward"]), rows(**s["train"]), decode_s=s["decode_s"], reward_s=s["reward_s"],
+                 transfer_s=fragment_m * (train_steps * s["latent_bytes"] + s["text_bytes"]) / link,
+                 publish_s=scale * (p["flux_lora_device_to_host_s"] + p["flux_lora_bytes"] / link),
+                 optimizer_s=p["optimizer_s"], allreduce_s=p["allreduce_s"], step_overhead_s=p["step_overhead_s"],
+                 true_cfg=s["true_cfg"], name=label, provenance=f"measured: profiles/{s['file']} ({data['gpu']})")
 
 
 def scaled_costs(base: Costs, ratio: float, label: str, true_cfg: bool) -> Costs:
@@ -431,43 +413,40 @@ def _fmt(rep: StepReport) -> str:
 
 
 def print_paper() -> list[dict]:
-    print("# DigenRL cost model, paper settings (simulate.py --paper). Assumptions:\n"
-          "#  - per-op costs from profiles/h200_*.json (random weights, bf16, one H200); unmeasured costs assumed:\n"
-          "#    reward 0.02 s/image, 0.1 s/video; video VAE decode 1.2 s/video; optimizer 0.02 s; 0.05 s logging/step;\n"
-          f"#    fragments and LoRA weights cross a {LINK_BYTES_PER_S / 1e9:.0f} GB/s link; LoRA publish = FLUX's 105 MB x params ratio.\n"
-          "#  - batch 32 groups, fragment = 1 group, j = 1 stale fragment, TSP pack 4 (images) / 1 (videos); T and\n"
-          "#    trained fraction picked from the 20/30/40 and 0.4/0.6 grid (not checked against each paper's config):\n"
-          "#    FLUX T=20 f=0.6 G=12 (DanceGRPO-style); Qwen-Image T=30 f=0.4 G=12; Wan T=40 f=0.4 G=8; Hunyuan T=30 f=0.4 G=8.\n"
-          "#  - Qwen-Image true CFG doubles the rollout forward only (training one branch). No memory limits modelled\n"
-          "#    (dealt training runs m pairs per pass); colocated switch cost 0 (LoRA: nothing big to offload),\n"
-          "#    so colocated here is an idealised baseline: the 'switch for 1.56x' column says what it would need.\n"
-          "#  - the heterogeneous case: 16 rollout GPUs at 0.5x H200 speed + 16 H200 trainers (split fixed by hardware).")
+    p = paper_settings()
+    print("# DigenRL cost model at paper settings (python simulate.py --paper). Assumptions (profiles/paper_settings.json):")
+    print("\n".join(f"#  - {line}" for line in p["assumptions"]))
+    extra = p["unmeasured_example"]
+    cases = [(label, n) for label in p["models"] for n in (16, 32)]
+    cases += [(extra["label"], 16), (next(iter(p["models"])), "hetero")]
     results = []
-    cases = [(label, p) for label in PAPER_MODELS for p in (16, 32)] + [("SD3.5-Large-8B 512px (scaled)", 16)]
-    for label, nproc in cases + [("FLUX.1-dev-12B 512px", "hetero")]:
-        key = label if label in PAPER_MODELS else "FLUX.1-dev-12B 512px"
-        *_, T, frac, G, pack, _tb, _xb, _d, _r = PAPER_MODELS[key]
-        wl = Workload(groups=32, group_size=G, num_steps=T, train_steps=round(frac * T), tsp_pack=pack, steps=6)
+    for label, nproc in cases:
+        key = label if label in p["models"] else extra["scale_from"]
+        wl = paper_workload(key)
         costs = paper_costs(key, wl.m, wl.train_steps)
-        if key != label:  # SD3.5-Large: 8.1e9 params, same 1024 image tokens at 512 px, true CFG
-            costs = scaled_costs(costs, 8.1 / 11.9, label, true_cfg=True)
+        if key != label:  # a family with no profile: FLOPs-scaled from a measured one
+            ratio = extra["params"] / p["models"][key]["params"] * extra["tokens_ratio"]
+            costs = scaled_costs(costs, ratio, label, extra["true_cfg"])
         if nproc == "hetero":
-            cluster = Cluster(32, 16, rollout_kind="slow", speeds={"h200": 1.0, "slow": 0.5})
-            reports = [simulate(mode, costs, cluster, wl) for mode in MODES]
+            cluster = Cluster(32, 16, rollout_kind="half", speeds={"h200": 1.0, "half": 0.5})
+            run = lambda mode, w: simulate(mode, costs, cluster, w)  # noqa: E731
         else:
-            reports = [best_split(mode, costs, Cluster(nproc), wl) for mode in MODES]
-        colocated, naive, full = reports[0], reports[1], reports[-1]
-        speedup = colocated.step_s / full.step_s
-        # the colocated switch time per step at which DigenRL's speedup would reach the paper's low end, 1.56x
-        needed = max(0.0, 1.56 * full.step_s - colocated.step_s)
-        where = "16 x 0.5x-speed rollout + 16 H200 trainers" if nproc == "hetero" else f"{nproc} H200"
-        print(f"\n## {label}, {where}: T={T}, T_train={wl.train_steps}, G={G}, B=32   [{costs.provenance}]")
+            cluster = Cluster(nproc)
+            run = lambda mode, w: best_split(mode, costs, cluster, w)  # noqa: E731
+        reports = [run(mode, wl) for mode in MODES]
+        reports.append(dataclasses.replace(run("digenrl", paper_workload(key, max_stale=cluster.nproc)), mode="digenrl j=R"))
+        colocated, naive, full, full_jr = reports[0], reports[1], reports[-2], reports[-1]
+        where = "16 rollout GPUs at 0.5x + 16 H200 trainers" if nproc == "hetero" else f"{nproc} H200"
+        print(f"\n## {label}, {where}: T={wl.num_steps} T_train={wl.train_steps} G={wl.group_size} B={wl.groups}  "
+              f"[{costs.provenance}]")
         for rep in reports:
             print("  " + _fmt(rep))
-        print(f"  DigenRL speedup: {speedup:.2f}x vs colocated, {naive.step_s / full.step_s:.2f}x vs naive "
-              f"(paper: 1.56-2.10x vs colocated); colocated switch for 1.56x: {needed:.1f} s/step")
-        results.append({"model": label, "cluster": where, "provenance": costs.provenance, "speedup_vs_colocated": speedup,
-                        "speedup_vs_naive": naive.step_s / full.step_s, "reports": [dataclasses.asdict(r) for r in reports]})
+        best = min(full.step_s, full_jr.step_s)
+        print(f"  DigenRL vs colocated: {colocated.step_s / full.step_s:.2f}x (j=R: {colocated.step_s / full_jr.step_s:.2f}x; "
+              f"paper: 1.56-2.10x); vs naive {naive.step_s / full.step_s:.2f}x; colocated switch for 1.56x: "
+              f"{max(0.0, 1.56 * best - colocated.step_s):.1f} s/step")
+        results.append({"model": label, "cluster": where, "provenance": costs.provenance,
+                        "reports": [dataclasses.asdict(r) for r in reports]})
     return results
 
 
@@ -477,7 +456,7 @@ def main(argv=None) -> int:
     parser.add_argument("--costs", help="a bench-produced costs JSON (bench.py writes <bench dir>/costs.json)")
     parser.add_argument("--nproc", type=int, help="P (default: the costs file's)")
     parser.add_argument("--rollout-ranks", type=int, help="R; 0 = search the best split per mode")
-    parser.add_argument("--steps", type=int, default=8, help="simulated RL steps")
+    parser.add_argument("--steps", type=int, default=10, help="simulated RL steps")
     parser.add_argument("--out", help="also write the reports as JSON here")
     args = parser.parse_args(argv)
     if args.paper:
