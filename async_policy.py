@@ -12,7 +12,7 @@ every trajectory and group is generated under one version (weights swap only bet
 with async off, a fragment's version always equals its step.
 
 Departures from the paper: the stale budget j is per step and global (an atomic counter in the
-store) rather than per rank; stale fragments are trained with the PPO ratio against the recorded
+store) rather than per rank (main.py's default j = R gives each rollout rank one fragment on average); stale fragments are trained with the PPO ratio against the recorded
 behaviour log-probs, on-policy ones with the detached current log-prob (ratio exactly 1).
 
 Try it: `python main.py --placement disaggregated --gap --tsp --async --max-stale-fragments 1`.

@@ -47,7 +47,9 @@ class Config:
     tsp_pack: int = field(4, "pairs per forward under TSP: larger = better GPU use, more activation memory")
     tag: Optional[bool] = field(None, "TAG: an idle trainer generates fragments itself when the predictor says the step ends sooner")
     use_async: Optional[bool] = field(None, "TCSS: rollout may generate the next batch with weights one version old", flag="async")
-    max_stale_fragments: int = field(1, "j: at most this many fragments per step generated one version stale (TCSS)")
+    max_stale_fragments: Optional[int] = field(None, "j: at most this many fragments per step generated one version stale (TCSS); "
+                                               "unset = one per rollout rank. Larger hides more of the weight round trip, "
+                                               "but more of each batch is trained off-policy")
     fsdp: bool = field(False, "shard the trainer transformer with FSDP2 over the trainer group (needs --tsp)")
     fragment_groups: int = field(1, "groups per fragment: smaller = finer pipelining, more messages and smaller forwards")
     # the RL problem size
@@ -102,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         if kind in ("bool", "Optional[bool]"):
             parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
         else:
-            caster = {"int": int, "float": float, "Optional[float]": float}.get(kind, str)
+            caster = {"int": int, "Optional[int]": int, "float": float, "Optional[float]": float}.get(kind, str)
             parser.add_argument(flag, dest=f.name, type=caster, default=f.default, help=f.metadata["help"])
     return parser
 
@@ -114,19 +116,17 @@ def parse_args(argv=None) -> Config:
 def resolve(cfg: Config) -> Config:
     """Fill the derived defaults (mode -> mechanism flags, LoRA auto, trace auto); returns a new Config."""
     c = dataclasses.replace(cfg)
-    explicit = [name for name in MECHANISM_FIELDS if getattr(c, name) not in (None, False)]
-    if c.mode is None and not explicit:
+    given = {name: getattr(c, name) for name in MECHANISM_FIELDS if getattr(c, name) is not None}
+    if c.mode is None and not any(given.values()):  # nothing, or only --no-X flags: DigenRL minus those
         c.mode = "digenrl"
     if c.mode is not None:
         if c.mode not in MODES:
             raise ValueError(f"--mode {c.mode!r} is not one of {', '.join(MODES)}")
         preset = dict(zip(MECHANISM_FIELDS, MODES[c.mode]))
-        for name in explicit:
-            if getattr(c, name) != preset[name]:
-                raise ValueError(f"--mode {c.mode} sets {name}={preset[name]!r} but {name}={getattr(c, name)!r} was also given; "
-                                 "use either --mode or explicit mechanism flags")
-        for name, value in preset.items():
+        for name, value in {**preset, **given}.items():  # explicit flags override the mode's preset
             setattr(c, name, value)
+        if any(preset[name] != value for name, value in given.items()):
+            c.mode = "custom"  # e.g. --mode digenrl --no-async: label the run by what it really ran
     else:
         c.mode = "custom"
         c.placement = c.placement or "disaggregated"
@@ -134,6 +134,8 @@ def resolve(cfg: Config) -> Config:
             setattr(c, name, bool(getattr(c, name)))
     if c.lora is None:
         c.lora = c.pretrained is not None
+    if c.max_stale_fragments is None:
+        c.max_stale_fragments = c.rollout_ranks
     if c.trace is None:
         c.trace = c.steps <= 200
     return c
@@ -148,7 +150,7 @@ def validate(c: Config, world_size: int) -> None:
     import models
     import rewards
 
-    models.get_family(c.model)
+    models.get_family(c.model).check_frames(c.frames)
     for name in ("steps", "prompts_per_step", "group_size", "fragment_groups", "tsp_pack", "lora_rank", "threads",
                  "keep_checkpoints", "nproc"):
         if getattr(c, name) < 1:
@@ -196,6 +198,10 @@ def validate(c: Config, world_size: int) -> None:
         _bad("--gap, --tsp, --tag and --async need --placement disaggregated (colocated ranks do both jobs)")
     if c.fsdp and not c.tsp:
         _bad("--fsdp needs --tsp: FSDP requires every trainer to run the same number of passes, which only TSP guarantees")
+    trainers = world_size - c.rollout_ranks
+    if c.fsdp and c.tag and c.fragment_groups < trainers:
+        _bad(f"--fsdp with --tag needs --fragment-groups >= the {trainers} trainer ranks (got {c.fragment_groups}): "
+             "every FSDP rank must run the same forwards, so each trainer generates at least one group of a TAG fragment")
     if c.tag and not (c.gap and c.tsp):
         _bad("--tag needs --gap and --tsp (the trainer group generates while it waits for streamed fragments, "
              "then trains them spread over all trainers)")

@@ -7,7 +7,7 @@ generates it. Ranks claim fragment indices from an atomic counter in a torch.dis
 (`store.add`), so fast ranks take more and an idle trainer can take some (TAG). A finished fragment
 is announced in the store (sequence number -> producer rank, fragment index), so the trainer knows
 whom to receive from without any-source receives (NCCL has none), then sent point to point:
-a fixed-size int64 header first, then the names, then the payload tensors.
+a fixed-size int64 header first, then one uint8 buffer with the names and every tensor's bytes.
 
 Invariant: the trainer's update from fragments consumed as they arrive equals the full-batch update
 (allclose in float32): every (sample, timestep) pair carries weight 1/(N T_train) and gradients add.
@@ -167,58 +167,82 @@ class FragmentQueue:
         self.store.wait([f"done/{step}/{seq}"], timedelta(seconds=self.timeout_s))
         return self.poll(step, seq)
 
+    def forget(self, step: int) -> None:
+        """Delete step `step`'s keys (call it once every rank is past that step): the store must not grow per step."""
+        keys = [f"claim/{step}", f"stale/{step}", f"done/{step}"]
+        keys += [f"done/{step}/{seq}" for seq in range(self.num_announced(step))]
+        for key in keys:
+            self.store.delete_key(key)
+
     def counter(self, name: str, step: int, amount: int = 1) -> int:
         """A generic atomic per-step counter (used for the stale-fragment budget of TCSS)."""
         return self.store.add(f"{name}/{step}", amount)
 
 
 # --- point-to-point and broadcast of fragments ------------------------------------------------
-def _header(fragment: Fragment) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+# Two messages per fragment: a fixed-size int64 header (ints, dtypes, shapes, byte lengths), then ONE
+# uint8 buffer holding the names and every tensor's bytes (8-byte aligned). One large message costs
+# one latency instead of ~20; this matters on gloo/TCP where each message is a round trip.
+ALIGN = 8
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _header(fragment: Fragment) -> tuple[torch.Tensor, list[torch.Tensor]]:
     tensors = fragment.tensors()
     names = ",".join(tensors).encode()
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    header[:8] = torch.tensor([MAGIC, *fragment._ints(), len(tensors), len(names)])
+    chunks = [torch.frombuffer(bytearray(names.ljust(_aligned(len(names)), b" ")), dtype=torch.uint8)]
     for i, t in enumerate(tensors.values()):
-        if t.ndim > MAX_DIMS:
-            raise ValueError(f"tensor of {t.ndim} dims exceeds the wire format's {MAX_DIMS}")
-        row = 8 + i * (2 + MAX_DIMS)
-        if row + 2 + MAX_DIMS > HEADER_LEN:
-            raise ValueError("too many tensors for the fragment header")
-        header[row] = _DTYPES.index(t.dtype)
-        header[row + 1] = t.ndim
+        row = 9 + i * (2 + MAX_DIMS)
+        if t.ndim > MAX_DIMS or row + 2 + MAX_DIMS > HEADER_LEN:
+            raise ValueError(f"fragment has {len(tensors)} tensors / {t.ndim} dims: over the header's capacity")
+        header[row], header[row + 1] = _DTYPES.index(t.dtype), t.ndim
         header[row + 2:row + 2 + t.ndim] = torch.tensor(t.shape)
-    return header, torch.frombuffer(bytearray(names), dtype=torch.uint8), list(tensors.values())
+        raw = t.contiguous().reshape(-1).view(torch.uint8)
+        chunks += [raw, torch.zeros(_aligned(raw.numel()) - raw.numel(), dtype=torch.uint8, device=raw.device)]
+    payload_bytes = sum(c.numel() for c in chunks)
+    header[:9] = torch.tensor([MAGIC, *fragment._ints(), len(tensors), len(names), payload_bytes])
+    return header, chunks
 
 
-def _empty_from_header(header: torch.Tensor, device):
+def _pack(chunks: list[torch.Tensor], device) -> torch.Tensor:
+    return torch.cat([c.to(device) for c in chunks])  # [payload bytes] uint8
+
+
+def _unpack(header: torch.Tensor, buffer: torch.Tensor) -> Fragment:
+    """Fragment whose tensors are views into `buffer` (the uint8 payload described by `header`)."""
     if int(header[0]) != MAGIC:
         raise RuntimeError(f"fragment header has magic {int(header[0]):#x}, expected {MAGIC:#x}: the streams are out of step")
     ints = [int(x) for x in header[1:6]]
     n_tensors, names_len = int(header[6]), int(header[7])
-    shells = []
-    for i in range(n_tensors):
-        row = 8 + i * (2 + MAX_DIMS)
-        ndim = int(header[row + 1])
+    keys = bytes(buffer[:names_len].cpu().tolist()).decode().split(",")
+    offset, tensors = _aligned(names_len), {}
+    for i, key in enumerate(keys[:n_tensors]):
+        row = 9 + i * (2 + MAX_DIMS)
+        dtype, ndim = _DTYPES[int(header[row])], int(header[row + 1])
         shape = [int(x) for x in header[row + 2:row + 2 + ndim]]
-        shells.append(torch.empty(shape, dtype=_DTYPES[int(header[row])], device=device))
-    return ints, torch.empty(names_len, dtype=torch.uint8, device=device), shells
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        tensors[key] = buffer[offset:offset + nbytes].view(dtype).reshape(shape)
+        offset += _aligned(nbytes)
+    return _from_tensors(ints, tensors)
 
 
 def send_fragment(fragment: Fragment, dst: int, group=None, device="cpu") -> None:
-    header, names, payload = _header(fragment)
-    for t in [header, names, *payload]:
-        dist.send(t.to(device).contiguous(), dst=dst, group=group)
+    header, chunks = _header(fragment)
+    dist.send(header.to(device), dst=dst, group=group)
+    dist.send(_pack(chunks, device), dst=dst, group=group)
 
 
 def recv_fragment(src: int, group=None, device="cpu") -> Fragment:
     header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
     dist.recv(header, src=src, group=group)
-    ints, names, shells = _empty_from_header(header.cpu(), device)
-    dist.recv(names, src=src, group=group)
-    for t in shells:
-        dist.recv(t, src=src, group=group)
-    keys = bytes(names.cpu().tolist()).decode().split(",")
-    return _from_tensors(ints, dict(zip(keys, shells)))
+    header = header.cpu()
+    buffer = torch.empty(int(header[8]), dtype=torch.uint8, device=device)
+    dist.recv(buffer, src=src, group=group)
+    return _unpack(header, buffer)
 
 
 def broadcast_fragment(fragment: Fragment | None, src: int, group=None, device="cpu") -> Fragment:
@@ -226,18 +250,16 @@ def broadcast_fragment(fragment: Fragment | None, src: int, group=None, device="
     if dist.get_world_size(group) == 1:
         return fragment
     if dist.get_rank() == src:
-        header, names, payload = _header(fragment)
-        for t in [header, names, *payload]:
-            dist.broadcast(t.to(device).contiguous(), src=src, group=group)
+        header, chunks = _header(fragment)
+        dist.broadcast(header.to(device), src=src, group=group)
+        dist.broadcast(_pack(chunks, device), src=src, group=group)
         return fragment
     header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
     dist.broadcast(header, src=src, group=group)
-    ints, names, shells = _empty_from_header(header.cpu(), device)
-    dist.broadcast(names, src=src, group=group)
-    for t in shells:
-        dist.broadcast(t, src=src, group=group)
-    keys = bytes(names.cpu().tolist()).decode().split(",")
-    return _from_tensors(ints, dict(zip(keys, shells)))
+    header = header.cpu()
+    buffer = torch.empty(int(header[8]), dtype=torch.uint8, device=device)
+    dist.broadcast(buffer, src=src, group=group)
+    return _unpack(header, buffer)
 
 
 def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.002):

@@ -83,21 +83,22 @@ def run_rank(cfg: config_lib.Config, rank: int, world: int, local_rank: int, mas
     trainer = None
     if groups.is_trainer:
         if cfg.fsdp:
-            _shard(policy, groups, comm_device)
+            _shard(policy, groups, keep_reference=cfg.beta > 0 and not cfg.lora)
         trainer = Trainer(policy, TrainConfig(cfg.lr, cfg.weight_decay, 1e-8, cfg.clip_range, cfg.max_grad_norm, cfg.beta,
                                               cfg.noise_level, cfg.algo, cfg.max_bad_steps),
                           group=groups.trainer, comm_device=comm_device, sharded=cfg.fsdp)
     if cfg.resume:
         ckpt = runio.check_resume(cfg.resume, cfg)
         state = torch.load(os.path.join(ckpt, "state.pt"), map_location="cpu", weights_only=False)
-        with torch.no_grad():
-            for name, p in policy.transformer.named_parameters():
-                if p.requires_grad:
-                    p.copy_(state["weights"][name])
         job.start_step = state["step"]
         if trainer is not None:
-            trainer.optimizer.load_state_dict(state["optimizer"])
+            trainer.load_checkpoint_state(state)  # re-shards under FSDP
             trainer.version = state["step"]
+        else:
+            with torch.no_grad():
+                for name, p in policy.transformer.named_parameters():
+                    if p.requires_grad:
+                        p.copy_(state["weights"][name])
         runio.set_rng_state(state["rng"])
 
     run_dir, bar = None, None
@@ -112,32 +113,37 @@ def run_rank(cfg: config_lib.Config, rank: int, world: int, local_rank: int, mas
     last = {"t": time.perf_counter()}
 
     def on_step_end(step, metrics, trainer):
-        if rank != groups.leader:
+        # Under FSDP every trainer takes part in evaluation and in gathering the checkpoint (collectives).
+        takes_part = rank == groups.leader or cfg.fsdp
+        if not takes_part:
             return
-        now = time.perf_counter()
-        metrics.update(step_time_s=now - last["t"], version=trainer.version)
-        last["t"] = now
-        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps) and not cfg.fsdp:
+        metrics.update(step_time_s=time.perf_counter() - last["t"], version=trainer.version)
+        scores = images = state = None
+        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
             from rollout import evaluate
             with tracer.span("eval", step=step):
                 scores, images = evaluate(policy, eval_prompts, sampling, reward_fn)
-            metrics["eval_reward"] = float(scores["total"].mean())
-            ext = "gif" if images.ndim == 5 else "png"
-            runio.save_image_grid(images, os.path.join(run_dir.path, "eval", f"step_{step + 1:06d}.{ext}"))
-        run_dir.log(step, metrics)
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
             with tracer.span("checkpoint", step=step):
-                state = {"step": step + 1, "weights": {n: p.detach().cpu() for n, p in policy.transformer.named_parameters()
-                                                        if p.requires_grad},
-                         "optimizer": trainer.optimizer.state_dict(), "rng": runio.rng_state(),
-                         "identity": runio.identity(cfg), "config": dataclasses.asdict(cfg)}
-                lora = models.lora_state_for_diffusers(policy.transformer) if cfg.lora else None
-                run_dir.save_checkpoint(step + 1, state, lora, policy.family.pipeline_class())
-            run_dir.plot_rewards()
+                state = trainer.checkpoint_state()
+        if rank == groups.leader:
+            if scores is not None:
+                metrics["eval_reward"] = float(scores["total"].mean())
+                ext = "gif" if images.ndim == 5 else "png"
+                runio.save_image_grid(images, os.path.join(run_dir.path, "eval", f"step_{step + 1:06d}.{ext}"))
+            run_dir.log(step, metrics)
+            if state is not None:
+                with tracer.span("checkpoint", step=step):
+                    state.update(step=step + 1, rng=runio.rng_state(), identity=runio.identity(cfg),
+                                 config=dataclasses.asdict(cfg))
+                    lora = models.lora_state_for_diffusers(policy.transformer, state["weights"]) if cfg.lora else None
+                    run_dir.save_checkpoint(step + 1, state, lora, policy.family.pipeline_class())
+                run_dir.plot_rewards()
         if bar is not None:
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", tag=int(metrics["tag_fragments"]),
                             stale=int(metrics["stale_fragments"]))
+        last["t"] = time.perf_counter()  # step_time_s excludes evaluation and checkpointing
 
     job.on_step_end = on_step_end
     if groups.role == "colocated":
@@ -167,13 +173,27 @@ def _all_linear_targets(transformer) -> list[str]:
                    if isinstance(mod, torch.nn.Linear) and ("blocks" in name)})
 
 
-def _shard(policy, groups, comm_device) -> None:
+def _shard(policy, groups, keep_reference: bool) -> None:
+    """FSDP2 over the trainer group: each transformer block is a unit (gathered only while it runs), then the root."""
+    import torch
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    if keep_reference and policy.reference_transformer is None:  # full fine-tuning with KL: copy before sharding
+        import copy
+        policy.reference_transformer = copy.deepcopy(policy.transformer).requires_grad_(False)
     mesh = DeviceMesh.from_group(groups.trainer, "cuda" if "cuda" in str(policy.device) else "cpu")
-    fully_shard(policy.transformer, mesh=mesh)
-    policy.transformer.set_gradient_divide_factor(1.0)  # sum, not mean: pairs already carry 1/(N T_train)
+    # bf16 base + fp32 LoRA: gather and compute in the policy dtype, reduce gradients in fp32.
+    mp = MixedPrecisionPolicy(param_dtype=policy.dtype, reduce_dtype=torch.float32)
+    for name, module in policy.transformer.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and name.endswith("blocks"):
+            for block in module:
+                fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(policy.transformer, mesh=mesh, mp_policy=mp)
+    for module in policy.transformer.modules():
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(1.0)  # sum, not mean: pairs already carry 1/(N T_train)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives: gloo has no PREMUL_SUM
 
 
 # --- launching ---------------------------------------------------------------------------------
@@ -185,6 +205,8 @@ def role_of(cfg: config_lib.Config, rank: int, world: int) -> str:
 
 def _spawned_entry(rank, world, port, cfg_dict, failures):
     os.environ.setdefault("OMP_NUM_THREADS", str(cfg_dict["threads"]))
+    import faulthandler
+    faulthandler.enable()  # a rank that aborts in native code (SIGABRT/SIGSEGV) still prints its Python stack
     try:
         run_rank(config_lib.from_dict(cfg_dict), rank, world, rank, ("127.0.0.1", port), agent_store=False)
     except BaseException as exc:

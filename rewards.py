@@ -9,8 +9,15 @@ to every frame and averaged over frames by one generic wrapper (``_per_frame``);
 Rewards are combined with a spec string such as ``"color=1.0,jpeg_compressibility=0.1"``:
 ``build_reward(spec, options)`` returns a ``CombinedReward`` whose call gives one tensor per
 named reward plus their weighted sum under ``"total"``. ``parse_reward_spec`` and
-``check_reward_options`` validate a spec without loading anything, so a CLI can fail fast
+``check_reward_options`` validate a spec without loading any model, so a CLI can fail fast
 before it spawns processes.
+
+Custom rewards: a spec name ``path/to/file.py:function`` or ``package.module:function`` names
+any callable with the reward signature above, e.g. ``--reward my_rewards.py:aesthetic=0.5,color=1``.
+It gets the images (or videos) as they are and must return [B] scores; its metrics are keyed
+by the name as written. ``check_reward_options`` imports it (the file by path, so spawned rank
+processes find it without sys.path) and checks that the attribute exists and is callable.
+A non-finite score is passed on as it is: the trainer skips that step (``--max-bad-steps``).
 
 Try it:
     python -c "import torch, rewards; r = rewards.build_reward('color,jpeg_compressibility=0.1'); \
@@ -21,12 +28,17 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import hashlib
 import http.client
+import importlib
+import importlib.util
+import inspect
 import io
 import json
 import math
 import os
 import re
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -95,7 +107,14 @@ def _checked(fn: RewardFn, name: str) -> RewardFn:
         if len(prompts) != images.shape[0]:
             raise ValueError(f"reward {name!r}: got {len(prompts)} prompts for a batch of "
                              f"{images.shape[0]}; need one prompt per sample")
-        scores = fn(images.detach().float(), list(prompts)).detach().float().cpu()
+        scores = fn(images.detach().float(), list(prompts))
+        try:  # custom rewards may return a list or an array; any [B] numbers will do
+            scores = torch.as_tensor(scores).detach().float().cpu()
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise TypeError(f"reward {name!r} returned {type(scores).__name__}, not a tensor of "
+                            f"{images.shape[0]} scores: {error}") from None
+        # NaN/inf scores are deliberately passed on: the trainer skips a non-finite step and
+        # aborts after --max-bad-steps in a row, which says more than an error here would.
         if scores.shape != (images.shape[0],):
             raise RuntimeError(f"reward {name!r} returned shape {tuple(scores.shape)}, "
                                f"expected ({images.shape[0]},)")
@@ -307,6 +326,111 @@ def _make_remote(options: RewardOptions) -> RewardFn:
     return remote
 
 
+# ---------------------------------------------------------------- custom rewards
+
+CUSTOM_FORMS = "'path/to/file.py:function' or 'package.module:function'"
+_loaded_files: dict[str, object] = {}  # absolute path -> module, so a file is executed once
+
+
+def is_custom(name: str) -> bool:
+    """A spec name with a colon names a custom reward function rather than a built-in one."""
+    return ":" in name
+
+
+def _split_custom(name: str) -> tuple[str, str]:
+    """ "dir/my.py:score" -> ("dir/my.py", "score"); raise if either side is malformed."""
+    target, _, attribute = name.rpartition(":")
+    target, attribute = target.strip(), attribute.strip()
+    if not target or not all(part.isidentifier() for part in attribute.split(".")):
+        raise ValueError(f"bad custom reward {name!r}: give {CUSTOM_FORMS} "
+                         f"(function a Python identifier)")
+    return target, attribute
+
+
+def _is_file(target: str) -> bool:
+    return target.endswith(".py") or "/" in target or os.sep in target
+
+
+def _import_file(path: str, name: str):
+    """Import a .py file by its path (not via sys.path, so spawned ranks load it too)."""
+    full = os.path.abspath(path)
+    if full in _loaded_files:
+        return _loaded_files[full]
+    if not os.path.isfile(full):
+        where = "" if full == path else f" (looked at {full!r})"
+        raise ValueError(f"custom reward {name!r}: file {path!r} does not exist{where}; "
+                         f"give {CUSTOM_FORMS}")
+    # A unique module name per path: two files called rewards.py must not replace each other.
+    digest = hashlib.sha1(full.encode()).hexdigest()[:10]
+    stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(full))[0])
+    module_name = f"_digenrl_reward_{stem}_{digest}"
+    spec = importlib.util.spec_from_file_location(module_name, full)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"custom reward {name!r}: {path!r} cannot be imported as Python "
+                         f"(need a .py file); give {CUSTOM_FORMS}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # pickling and dataclasses look functions up here
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:  # noqa: BLE001  (any failure of user code is a bad value)
+        sys.modules.pop(module_name, None)
+        raise ValueError(f"custom reward {name!r}: importing {path!r} failed: "
+                         f"{type(error).__name__}: {error}") from error
+    _loaded_files[full] = module
+    return module
+
+
+def _import_module(module_name: str, name: str):
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if module_name == error.name or module_name.startswith(f"{error.name}."):  # it is missing
+            path = module_name.replace(".", "/") + ".py"
+            hint = (f"; there is a file {path!r}: use '{path}:{name.rpartition(':')[2]}'"
+                    if os.path.isfile(path) else " (a file path must end in .py)")
+            raise ValueError(f"custom reward {name!r}: no module {module_name!r} on sys.path; "
+                             f"give {CUSTOM_FORMS}{hint}") from error
+        raise ValueError(f"custom reward {name!r}: importing {module_name!r} failed: "
+                         f"{type(error).__name__}: {error}") from error
+    except Exception as error:  # noqa: BLE001
+        raise ValueError(f"custom reward {name!r}: importing {module_name!r} failed: "
+                         f"{type(error).__name__}: {error}") from error
+
+
+def load_custom_reward(name: str) -> RewardFn:
+    """The callable a custom spec name points at ("file.py:fn" or "package.module:fn");
+    raises ValueError naming the bad part and what is allowed."""
+    target, attribute = _split_custom(name)
+    module = _import_file(target, name) if _is_file(target) else _import_module(target, name)
+    fn = module
+    for part in attribute.split("."):
+        if not hasattr(fn, part):
+            available = sorted(n for n, v in vars(module).items()
+                               if callable(v) and not n.startswith("_") and not inspect.isclass(v)
+                               and getattr(v, "__module__", None) == module.__name__)
+            raise ValueError(f"custom reward {name!r}: {target!r} has no attribute "
+                             f"{attribute!r}; functions defined there: {available}")
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise ValueError(f"custom reward {name!r}: {attribute!r} in {target!r} is not callable "
+                         f"(type {type(fn).__name__}); need a function fn(images, prompts) -> [B]")
+    try:  # catch a wrong signature now rather than in every rank at the first reward
+        inspect.signature(fn).bind(None, None)
+    except TypeError:
+        raise ValueError(f"custom reward {name!r}: {attribute}{inspect.signature(fn)} cannot "
+                         f"be called as fn(images, prompts)") from None
+    except ValueError:  # some builtins have no signature; let the call decide
+        pass
+    return fn
+
+
+def make_reward(name: str, options: RewardOptions | None = None) -> RewardFn:
+    """One reward fn by spec name: a registered one, or a custom function (shape-checked)."""
+    if is_custom(name):
+        return _checked(load_custom_reward(name), name)
+    return REWARDS[name](options)
+
+
 # ---------------------------------------------------------------- specs and combination
 
 def parse_reward_spec(spec: str) -> dict[str, float]:
@@ -318,9 +442,11 @@ def parse_reward_spec(spec: str) -> dict[str, float]:
     for item in spec.split(","):
         name, _, weight_text = item.partition("=")
         name = name.strip()
-        if name not in REWARDS:
-            raise ValueError(f"unknown reward {name!r} in spec {spec!r}; "
-                             f"known rewards: {sorted(REWARDS)}")
+        if is_custom(name):
+            _split_custom(name)  # syntax only: importing is check_reward_options' job
+        elif name not in REWARDS:
+            raise ValueError(f"unknown reward {name!r} in spec {spec!r}; known rewards: "
+                             f"{sorted(REWARDS)}, or a custom one as {CUSTOM_FORMS}")
         if name in weights:
             raise ValueError(f"reward {name!r} appears twice in spec {spec!r}")
         try:
@@ -337,6 +463,9 @@ def parse_reward_spec(spec: str) -> dict[str, float]:
 def check_reward_options(spec: str | Mapping[str, float], options: RewardOptions) -> None:
     """Raise a clear error if the rewards in ``spec`` cannot be built with ``options``."""
     names = parse_reward_spec(spec) if isinstance(spec, str) else dict(spec)
+    for name in names:
+        if is_custom(name):
+            load_custom_reward(name)  # imports the file/module; raises naming the bad part
     if "clip_score" in names:
         if not options.clip_path:
             raise ValueError("reward 'clip_score' needs --clip-path (a local directory with a "
@@ -380,4 +509,4 @@ def build_reward(spec: str, options: RewardOptions | None = None) -> CombinedRew
     options = options or RewardOptions()
     weights = parse_reward_spec(spec)
     check_reward_options(weights, options)
-    return CombinedReward({name: REWARDS[name](options) for name in weights}, weights)
+    return CombinedReward({name: make_reward(name, options) for name in weights}, weights)

@@ -125,6 +125,9 @@ def finish_step(job: Job, trainer, step: int) -> dict:
         metrics = trainer.step(job.reward_names)
     if job.on_step_end is not None:
         job.on_step_end(step, metrics, trainer)
+    trainer.assisted.pop(step, None)
+    if job.queue is not None and job.groups.rank == job.groups.leader and step >= 2:
+        job.queue.forget(step - 2)  # every rank is past step - 2: rollout ranks run at most one step ahead
     job.tracer.mark_step(step)
     return metrics
 
@@ -234,20 +237,24 @@ def receive(job: Job, step: int, seq: int, wait: bool = True):
 def run_trainer(job: Job, trainer) -> None:
     g, cfg = job.groups, job.cfg
     is_leader = g.rank == g.leader
-    if is_leader:
-        with job.tracer.span("publish", version=trainer.version):
-            async_policy.publish(trainer.params, trainer.version, g.leader, g.publish, job.comm_device)
+    _publish(job, trainer, is_leader)
     for step in range(job.start_step, cfg.steps):
         if cfg.tsp:
             _tsp_step(job, trainer, step, is_leader)
         else:
             _dealt_step(job, trainer, step)
         finish_step(job, trainer, step)
-        if is_leader:
-            with job.tracer.span("publish", version=trainer.version):
-                async_policy.publish(trainer.params, trainer.version, g.leader, g.publish, job.comm_device)
+        _publish(job, trainer, is_leader)
     if is_leader:
         async_policy.publish(trainer.params, async_policy.STOP, g.leader, g.publish, job.comm_device)
+
+
+def _publish(job: Job, trainer, is_leader: bool) -> None:
+    """Every trainer gathers whole weights (a collective when FSDP-sharded); the leader broadcasts them."""
+    with job.tracer.span("publish", version=trainer.version):
+        weights = trainer.full_weights()
+        if is_leader:
+            async_policy.publish(weights, trainer.version, job.groups.leader, job.groups.publish, job.comm_device)
 
 
 def _consume(job, trainer, fragment, spread, count):
@@ -340,20 +347,20 @@ def _assist(job: Job, trainer, step: int, index: int) -> gap.Fragment:
     spec = job.spec(step, index)
     groups = len(spec.prompt_ids) // spec.group_size
     start = time.perf_counter()
-    parts = []
-    for r in range(k):
-        lo, hi = tag.split_groups(groups, k, r)
-        if lo == hi:
-            continue
-        part = None
-        if r == me:
-            rows = slice(lo * spec.group_size, hi * spec.group_size)
-            sub = dataclasses.replace(spec, prompt_ids=spec.prompt_ids[rows], init_seeds=spec.init_seeds[rows],
-                                      noise_seeds=spec.noise_seeds[rows])
-            with job.tracer.span("tag", step=step, index=index):
-                part = generate_fragment(job.policy, sub, job.prompts, job.sampling, job.reward_fn,
-                                         trainer.version, TAG_PRODUCER)
-        parts.append(gap.broadcast_fragment(part, g.trainer_ranks[r], g.trainer, job.comm_device) if k > 1 else part)
+    # Every trainer generates its own share at the same time (under FSDP their forwards must run together),
+    # then each share is broadcast to the group.
+    lo, hi = tag.split_groups(groups, k, me)
+    mine = None
+    if lo < hi:
+        rows = slice(lo * spec.group_size, hi * spec.group_size)
+        sub = dataclasses.replace(spec, prompt_ids=spec.prompt_ids[rows], init_seeds=spec.init_seeds[rows],
+                                  noise_seeds=spec.noise_seeds[rows])
+        with job.tracer.span("tag", step=step, index=index):
+            mine = generate_fragment(job.policy, sub, job.prompts, job.sampling, job.reward_fn,
+                                     trainer.version, TAG_PRODUCER)
+    producers = [r for r in range(k) if (lambda lo, hi: lo < hi)(*tag.split_groups(groups, k, r))]
+    parts = [gap.broadcast_fragment(mine if r == me else None, g.trainer_ranks[r], g.trainer, job.comm_device)
+             for r in producers] if k > 1 else [mine]
     trainer.assisted[step] = trainer.assisted.get(step, 0) + 1
     trainer.tag_estimates["gen_trainer"].update(time.perf_counter() - start)
     return gap.concat_fragments(parts)

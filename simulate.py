@@ -78,7 +78,7 @@ class Workload:
     num_steps: int  # T
     train_steps: int  # T_train
     fragment_groups: int = 1
-    max_stale: int = 1  # j
+    max_stale: int | None = None  # j; None = one per rollout rank (main.py's default)
     tsp_pack: int = 4
     steps: int = 10  # simulated RL steps: the `warmup` first and the last one are not measured
     warmup: int = 2
@@ -203,6 +203,7 @@ def simulate(mode: str, costs: Costs, cluster: Cluster, wl: Workload) -> StepRep
     """Simulate `wl.steps` RL steps of `mode`; return the steady-state StepReport."""
     placement, gap_on, tsp_on, tag_on, async_on = MODES[mode]
     P, R, M, S = cluster.nproc, cluster.rollout_ranks, wl.fragments, wl.steps
+    max_stale = R if wl.max_stale is None else wl.max_stale
     if S < wl.warmup + 4:  # a short window can catch the stale-prefetch pattern mid-cycle
         raise ValueError(f"simulate at least warmup + 4 steps, got {S}")
     sim = _Sim()
@@ -260,9 +261,9 @@ def simulate(mode: str, costs: Costs, cluster: Cluster, wl: Workload) -> StepRep
                 held = state["published"]
             while (index := claim(step)) is not None:
                 yield from produce(step, index, held)
-            while async_on and step + 1 < S and state["published"] < step + 1 and wl.max_stale > 0:
+            while async_on and step + 1 < S and state["published"] < step + 1 and max_stale > 0:
                 stale_budget[step + 1] += 1
-                if stale_budget[step + 1] > wl.max_stale or (index := claim(step + 1)) is None:
+                if stale_budget[step + 1] > max_stale or (index := claim(step + 1)) is None:
                     break
                 yield from produce(step + 1, index, held)
 
@@ -377,7 +378,7 @@ def paper_settings() -> dict:
         return json.load(f)
 
 
-def paper_workload(label: str, max_stale: int = 1) -> Workload:
+def paper_workload(label: str, max_stale: int | None = None) -> Workload:
     s, p = paper_settings()["models"][label], paper_settings()
     return Workload(groups=p["batch_groups"], group_size=s["G"], num_steps=s["T"], train_steps=round(s["frac"] * s["T"]),
                     fragment_groups=p["fragment_groups"], tsp_pack=s["pack"], max_stale=max_stale, steps=8)
@@ -434,15 +435,15 @@ def print_paper() -> list[dict]:
             cluster = Cluster(nproc)
             run = lambda mode, w: best_split(mode, costs, cluster, w)  # noqa: E731
         reports = [run(mode, wl) for mode in MODES]
-        reports.append(dataclasses.replace(run("digenrl", paper_workload(key, max_stale=cluster.nproc)), mode="digenrl j=R"))
-        colocated, naive, full, full_jr = reports[0], reports[1], reports[-2], reports[-1]
+        reports.append(dataclasses.replace(run("digenrl", paper_workload(key, max_stale=1)), mode="digenrl j=1"))
+        colocated, naive, full, full_j1 = reports[0], reports[1], reports[-2], reports[-1]
         where = "16 rollout GPUs at 0.5x + 16 H200 trainers" if nproc == "hetero" else f"{nproc} H200"
         print(f"\n## {label}, {where}: T={wl.num_steps} T_train={wl.train_steps} G={wl.group_size} B={wl.groups}  "
               f"[{costs.provenance}]")
         for rep in reports:
             print("  " + _fmt(rep))
-        best = min(full.step_s, full_jr.step_s)
-        print(f"  DigenRL vs colocated: {colocated.step_s / full.step_s:.2f}x (j=R: {colocated.step_s / full_jr.step_s:.2f}x; "
+        best = min(full.step_s, full_j1.step_s)
+        print(f"  DigenRL (j=R) vs colocated: {colocated.step_s / full.step_s:.2f}x (j=1: {colocated.step_s / full_j1.step_s:.2f}x; "
               f"paper: 1.56-2.10x); vs naive {naive.step_s / full.step_s:.2f}x; colocated switch for 1.56x: "
               f"{max(0.0, 1.56 * best - colocated.step_s):.1f} s/step")
         results.append({"model": label, "cluster": where, "provenance": costs.provenance,

@@ -67,6 +67,7 @@ class MetricSums:
 class Trainer:
     def __init__(self, policy, cfg: TrainConfig, group=None, comm_device="cpu", sharded: bool = False):
         self.policy, self.cfg, self.group, self.comm_device, self.sharded = policy, cfg, group, comm_device, sharded
+        self.names = [n for n, p in policy.transformer.named_parameters() if p.requires_grad]
         self.params = [p for p in policy.transformer.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the transformer has no trainable parameters")
@@ -78,6 +79,31 @@ class Trainer:
         # TAG's running estimates (seconds per fragment) and how many fragments it generated per step.
         self.tag_estimates = {"gen_rollout": RunningMean(1.0), "gen_trainer": RunningMean(1.0), "train": RunningMean(0.0)}
         self.assisted: dict[int, int] = {}
+
+    # --- whole weights (FSDP shards are gathered: a collective, so every trainer calls these) ---------
+    def full_weights(self) -> list[torch.Tensor]:
+        """The trainable weights as whole tensors, in `self.params` order (all-gathered when sharded)."""
+        with torch.no_grad():
+            return [p.full_tensor() if _is_sharded(p) else p.detach() for p in self.params]
+
+    def checkpoint_state(self) -> dict:
+        """{"weights": name -> CPU tensor, "optimizer": state dict with whole CPU tensors}: same format sharded or not."""
+        weights = {n: w.cpu() for n, w in zip(self.names, self.full_weights())}
+        optimizer = self.optimizer.state_dict()
+        optimizer["state"] = {i: {k: (v.full_tensor() if _is_sharded(v) else v).cpu() for k, v in s.items()}
+                              for i, s in optimizer["state"].items()}
+        return {"weights": weights, "optimizer": optimizer, "bad_steps_in_a_row": self.bad_steps_in_a_row}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        """Inverse of checkpoint_state; re-shards whole tensors onto this rank's FSDP shards when sharded."""
+        with torch.no_grad():
+            for name, p in zip(self.names, self.params):
+                p.copy_(_like(state["weights"][name], p))
+        optimizer = dict(state["optimizer"])
+        optimizer["state"] = {i: {k: (_like(v, self.params[i]) if v.ndim else v) for k, v in s.items()}
+                              for i, s in optimizer["state"].items()}
+        self.optimizer.load_state_dict(optimizer)
+        self.bad_steps_in_a_row = state.get("bad_steps_in_a_row", 0)  # --max-bad-steps counts across a resume
 
     # --- one pack of pairs -------------------------------------------------------------------
     def pair_loss(self, batch, weights: torch.Tensor, stale: bool):
@@ -206,3 +232,15 @@ def summarize(m: MetricSums, reward_names: list[str]) -> dict[str, float]:
     out["trajectories"] = s.get("trajectories", 0.0)
     out["pairs"] = s.get("pairs", 0.0)
     return out
+
+
+def _is_sharded(t) -> bool:
+    return hasattr(t, "full_tensor")  # a DTensor (FSDP2 parameter or optimizer state)
+
+
+def _like(whole: torch.Tensor, param) -> torch.Tensor:
+    """`whole` placed like `param`: the local FSDP shard of it, or a plain tensor on param's device."""
+    if _is_sharded(param):
+        from torch.distributed.tensor import distribute_tensor
+        return distribute_tensor(whole.to(param.device, param.dtype), param.device_mesh, param.placements)
+    return whole.to(param.device, param.dtype)

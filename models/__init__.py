@@ -131,6 +131,7 @@ def load(name: str, path: str, device="cpu", dtype=torch.float32, height: int | 
     """Load a pipeline directory (tiny or real weights) through the family's `from_pretrained`."""
     family = get_family(name)
     family.check_pretrained(path)
+    family.check_frames(frames)
     _quiet_libraries()
     pipe = family.pipeline_class().from_pretrained(path, dtype=dtype)
     pipe.to(device)
@@ -178,8 +179,23 @@ def trainable_state(transformer) -> dict[str, torch.Tensor]:
     return {n: p for n, p in transformer.named_parameters() if p.requires_grad}
 
 
-def lora_state_for_diffusers(transformer) -> dict[str, torch.Tensor]:
-    """LoRA weights in the layout `pipe.load_lora_weights` accepts (peft state dict keys)."""
+def lora_state_for_diffusers(transformer, weights: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """LoRA weights in the layout `pipe.load_lora_weights` accepts (peft state dict keys).
+
+    `weights` (name -> whole tensor) replaces the module's own, e.g. the gathered weights of an FSDP-sharded model.
+
+    The file carries no alphas, so loaders (diffusers included) assume lora_alpha = rank, i.e. scale 1. We fold
+    each layer's scale (alpha / rank) into its B matrix, so the loaded LoRA computes what we trained."""
+    from peft.tuners.lora import LoraLayer
     from peft.utils import get_peft_model_state_dict
 
-    return {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(transformer).items()}
+    state = get_peft_model_state_dict(transformer, state_dict=weights)
+    scale = {name: module.scaling["default"] for name, module in transformer.named_modules()
+             if isinstance(module, LoraLayer)}
+    out = {}
+    for key, value in state.items():
+        value = value.detach().cpu()
+        if ".lora_B." in key:
+            value = value * scale[key.split(".lora_B.")[0]]
+        out[key] = value.contiguous()
+    return out

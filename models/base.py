@@ -24,6 +24,7 @@ class Family:
     tiny_frames = 1
     default_guidance = 3.5  # embedded guidance (FLUX, HunyuanVideo) or true-CFG scale (Qwen, Wan)
     sequence_tokenizer = "tokenizer_2"  # whose model_max_length caps max_sequence_length (else "tokenizer")
+    temporal_compression = 4  # video VAEs (Wan, HunyuanVideo) keep frame 0 and compress the rest 4x (causal)
 
     def pipeline_class(self):
         import diffusers
@@ -52,6 +53,18 @@ class Family:
                                         f"(required for {self.name}: {', '.join(self.required_components)})")
             if not os.listdir(folder):
                 raise FileNotFoundError(f"component {component!r} in {path!r} is an empty folder")
+
+    def check_frames(self, frames: int | None) -> None:
+        """Raise ValueError for a video length the VAE cannot represent exactly (unset = the family default).
+
+        The causal video VAEs map F = 1 + 4k frames to 1 + k latent frames; any other F would silently decode
+        to fewer frames than asked for (the diffusers pipelines round it down with a warning)."""
+        if not self.is_video or not frames:
+            return
+        step = self.temporal_compression
+        if frames < 1 or (frames - 1) % step:
+            raise ValueError(f"--frames {frames} is not valid for {self.name}: the video VAE needs 1 + {step}k frames "
+                             f"(1, {1 + step}, {1 + 2 * step}, ...)")
 
     # --- what the RL loop calls -----------------------------------------------------------
     def encode(self, pipe, prompts: list[str], device, max_sequence_length: int) -> dict[str, torch.Tensor]:

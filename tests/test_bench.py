@@ -58,3 +58,24 @@ def test_gpu_check_without_cuda_exits_clearly(capsys):
         pytest.skip("this machine has CUDA")
     assert bench.main(["--size", "flux-12b", "--device", "cuda"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_compare_runs_plots_every_run_and_summarises(tmp_path, capsys):
+    import compare_runs
+
+    for name, slope in (("fast", 0.01), ("slow", 0.005)):
+        run = tmp_path / name
+        run.mkdir()
+        rows = [{"step": s, "reward_mean": slope * s, "step_time_s": 0.5, "stale_frac": 0.25 if name == "fast" else 0.0,
+                 "staleness_mean": 0.25 if name == "fast" else 0.0, "tag_fragments": 1.0} for s in range(10)]
+        rows[-1]["eval_reward"] = 0.3
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "curves.png"
+    assert compare_runs.main([str(tmp_path / "fast"), f"B={tmp_path / 'slow'}", "--out", str(out), "--tail", "0.2"]) == 0
+    table = capsys.readouterr().out
+    assert out.stat().st_size > 1000
+    fast = next(line for line in table.splitlines() if line.startswith("fast")).split()
+    slow = next(line for line in table.splitlines() if line.startswith("B ")).split()
+    assert float(fast[3]) == pytest.approx(0.085) and float(slow[3]) == pytest.approx(0.0425)  # mean of steps 8, 9
+    assert float(fast[6]) == pytest.approx(0.25) and float(slow[6]) == 0.0
+    assert compare_runs.main([str(tmp_path / "missing")]) == 2

@@ -22,6 +22,7 @@ CASES = {
     "gap": ["--placement", "disaggregated", "--gap", "--nproc", "2"],
     "gap_tsp_k1": ["--placement", "disaggregated", "--gap", "--tsp", "--tsp-pack", "4", "--nproc", "2"],
     "gap_tsp_k2": ["--placement", "disaggregated", "--gap", "--tsp", "--tsp-pack", "3", "--nproc", "3"],
+    "gap_tsp_fsdp_k2": ["--placement", "disaggregated", "--gap", "--tsp", "--tsp-pack", "3", "--fsdp", "--nproc", "3"],
     "dealt_k2": ["--placement", "disaggregated", "--gap", "--nproc", "3"],
     "gap_tsp_tag": ["--placement", "disaggregated", "--gap", "--tsp", "--tag", "--nproc", "2"],
 }

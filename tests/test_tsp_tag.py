@@ -124,3 +124,19 @@ def test_num_train_timesteps_and_dance_subsets():
     assert num_train_timesteps(SamplingConfig(num_steps=10)) == 9
     assert num_train_timesteps(SamplingConfig(num_steps=10, timestep_fraction=0.4)) == 4
     assert num_train_timesteps(SamplingConfig(num_steps=10, algo="dance_grpo", timestep_fraction=0.6)) == 6
+
+
+def test_gradient_checkpointing_gives_the_same_gradient(setup):
+    """--grad-ckpt trades compute for memory; the gradient must not change (float32, allclose)."""
+    policy, sampling, *_, fragment = setup
+    m, t_train = fragment.latents.shape[:2]
+    packs, masks = tsp.tsp_packs(m, t_train, 0, 1, 4)
+    plain = _grads(policy, fragment, packs, masks, m * t_train)
+    policy.transformer.enable_gradient_checkpointing()
+    try:
+        assert policy.transformer.is_gradient_checkpointing
+        checkpointed = _grads(policy, fragment, packs, masks, m * t_train)
+    finally:
+        policy.transformer.disable_gradient_checkpointing()
+    for a, b in zip(checkpointed, plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
