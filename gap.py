@@ -230,36 +230,38 @@ def _unpack(header: torch.Tensor, buffer: torch.Tensor) -> Fragment:
     return _from_tensors(ints, tensors)
 
 
-def send_fragment(fragment: Fragment, dst: int, group=None, device="cpu") -> None:
+def _transmit(fragment: Fragment, device, move) -> None:
     header, chunks = _header(fragment)
-    dist.send(header.to(device), dst=dst, group=group)
-    dist.send(_pack(chunks, device), dst=dst, group=group)
+    move(header.to(device))
+    move(_pack(chunks, device))
+
+
+def _receive(device, move) -> Fragment:
+    header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+    move(header)
+    header = header.cpu()
+    buffer = torch.empty(int(header[8]), dtype=torch.uint8, device=device)
+    move(buffer)
+    return _unpack(header, buffer)
+
+
+def send_fragment(fragment: Fragment, dst: int, group=None, device="cpu") -> None:
+    _transmit(fragment, device, lambda t: dist.send(t, dst=dst, group=group))
 
 
 def recv_fragment(src: int, group=None, device="cpu") -> Fragment:
-    header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
-    dist.recv(header, src=src, group=group)
-    header = header.cpu()
-    buffer = torch.empty(int(header[8]), dtype=torch.uint8, device=device)
-    dist.recv(buffer, src=src, group=group)
-    return _unpack(header, buffer)
+    return _receive(device, lambda t: dist.recv(t, src=src, group=group))
 
 
 def broadcast_fragment(fragment: Fragment | None, src: int, group=None, device="cpu") -> Fragment:
     """Every rank of `group` returns the fragment that global rank `src` holds."""
     if dist.get_world_size(group) == 1:
         return fragment
+    move = lambda t: dist.broadcast(t, src=src, group=group)  # noqa: E731
     if dist.get_rank() == src:
-        header, chunks = _header(fragment)
-        dist.broadcast(header.to(device), src=src, group=group)
-        dist.broadcast(_pack(chunks, device), src=src, group=group)
+        _transmit(fragment, device, move)
         return fragment
-    header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
-    dist.broadcast(header, src=src, group=group)
-    header = header.cpu()
-    buffer = torch.empty(int(header[8]), dtype=torch.uint8, device=device)
-    dist.broadcast(buffer, src=src, group=group)
-    return _unpack(header, buffer)
+    return _receive(device, move)
 
 
 def wait_until(predicate, timeout_s: float, what: str, poll_s: float = 0.002):

@@ -24,11 +24,16 @@ import torch
 def atomic_write(path: str, write) -> None:
     """write(tmp_path) then rename onto `path`; the old file survives any crash before the rename."""
     tmp = f"{path}.tmp{os.getpid()}"
-    write(tmp)
-    with open(tmp, "rb+") as f:
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)  # a failed write leaves neither a half file nor a stray temporary
+        raise
 
 
 def save_image_grid(images: torch.Tensor, path: str, nrow: int | None = None) -> None:

@@ -157,6 +157,9 @@ def _atomic_write(path, write) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    umask = os.umask(0o022)
+    os.umask(umask)
+    os.chmod(tmp_path, 0o666 & ~umask)  # mkstemp makes 0600; the result should read like any other output file
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
