@@ -2,7 +2,7 @@
 
     python bench.py --quick --validate        # tiny FLUX, 2 CPU ranks, 6 modes, < 5 min; + simulate.py's prediction
     python bench.py --modes naive,digenrl --nproc 4 --rollout-ranks 2 --steps 10
-    python bench.py --device cuda --size flux-12b   # GPU check: our rollout/trainer overhead vs the bare transformer
+    python bench.py --device cuda --size flux-12b   # GPU check (gpu_check.py): our overhead vs the bare transformer
 
 Each mode runs as `python main.py ... --trace`; its trace.json is parsed back into spans and its
 metrics.jsonl gives the step times (step 0 is warm-up and excluded). Per mode: steps/s, trajectories/s,
@@ -23,6 +23,7 @@ import subprocess
 import sys
 import time
 
+import gpu_check
 import simulate
 from trace import STEP_MARK_KIND
 
@@ -289,151 +290,16 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join("bench_runs", time.strftime("%Y%m%d-%H%M%S")))
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--validate", action="store_true", help="also print simulate.py's step time from this run's per-op costs")
-    p.add_argument("--size", choices=sorted(gpu_sizes()),
+    p.add_argument("--size", choices=sorted(gpu_check.gpu_sizes()),
                    help="GPU check instead of the mode bench (flux-12b needs --device cuda; tiny runs anywhere)")
     if p.parse_known_args(argv)[0].quick:  # --quick sets defaults; flags given explicitly still win
         p.set_defaults(**QUICK)
     args = p.parse_args(argv)
     if args.size:
-        return gpu_check(args)
+        return gpu_check.gpu_check(args.size, args.device, args.out)
     start = time.perf_counter()
     run_bench(args)
     print(f"[bench] total wall time {time.perf_counter() - start:.0f} s")
-    return 0
-
-
-# --- GPU check: our code paths vs the bare transformer ------------------------------------------
-def gpu_sizes() -> dict:
-    """FluxTransformer2DModel configs: FLUX.1-dev's size, and a tiny one to try the check on a CPU."""
-    return {"flux-12b": dict(config=dict(num_layers=19, num_single_layers=38, attention_head_dim=128, num_attention_heads=24,
-                                         joint_attention_dim=4096, pooled_projection_dim=768, in_channels=64,
-                                         guidance_embeds=True, axes_dims_rope=(16, 56, 56)),
-                         res=512, vae_scale=8, text_len=512),
-            "tiny": dict(config=dict(num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-                                     joint_attention_dim=32, pooled_projection_dim=32, in_channels=16, guidance_embeds=True,
-                                     axes_dims_rope=(4, 6, 6)), res=32, vae_scale=2, text_len=16)}
-
-
-def _timed(fn, reps: int, sync) -> float:
-    """Median seconds of fn() over reps runs after one warm-up."""
-    fn()
-    sync()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return _median(times)
-
-
-def gpu_check(args) -> int:
-    """(a) bare forward vs our rollout loop per denoising step, (b) bare LoRA fwd+bwd vs Trainer.accumulate, batch 4."""
-    import torch
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print(f"error: --device cuda was asked for but torch {torch.__version__} sees no CUDA device; run the GPU check "
-              "on a machine with a GPU (or try it here with --size tiny --device cpu)", file=sys.stderr)
-        return 2
-    if args.size == "flux-12b" and args.device != "cuda":
-        print("error: --size flux-12b needs --device cuda (a 12B transformer on a CPU would take hours)", file=sys.stderr)
-        return 2
-    # lazy: GPU machines may carry diffusers as a wheel
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
-
-    import gap
-    import models
-    import rollout
-    import tsp
-    from trainer import TrainConfig, Trainer
-    spec, device, batch, t_steps = gpu_sizes()[args.size], torch.device(args.device), 4, 8
-    cuda = device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    if cuda:
-        torch.backends.cuda.enable_cudnn_sdp(False)  # DESIGN.md section 7: cuDNN SDPA backward crashed on H200
-    start = time.perf_counter()
-    torch.manual_seed(0)
-    torch.set_default_dtype(dtype)
-    with device:  # weights are initialised on the device, in the run dtype
-        transformer = FluxTransformer2DModel(**spec["config"]).eval()
-    torch.set_default_dtype(torch.float32)
-    init_s = time.perf_counter() - start
-
-    class Pipe:  # what FluxFamily needs from a FluxPipeline: no text encoders, no VAE
-        _pack_latents = staticmethod(FluxPipeline._pack_latents)
-        _prepare_latent_image_ids = staticmethod(FluxPipeline._prepare_latent_image_ids)
-    pipe = Pipe()
-    pipe.transformer, pipe.vae_scale_factor = transformer.requires_grad_(False), spec["vae_scale"]
-    pipe.scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True, base_image_seq_len=256,
-                                                     max_image_seq_len=4096, base_shift=0.5, max_shift=1.15)
-    policy = models.Policy(models.get_family("flux"), pipe, device, dtype, spec["res"], spec["res"], 1, spec["text_len"])
-    cfg = spec["config"]
-    cond = {"prompt_embeds": torch.randn(batch, spec["text_len"], cfg["joint_attention_dim"], device=device, dtype=dtype),
-            "pooled_prompt_embeds": torch.randn(batch, cfg["pooled_projection_dim"], device=device, dtype=dtype)}
-    x = torch.randn(batch, *policy.latent_shape(), device=device, dtype=dtype)  # [4, tokens, channels]
-    sigma = torch.full((batch,), 0.7, device=device)
-    side = int(round(x.shape[1] ** 0.5))
-    kwargs = dict(hidden_states=x, timestep=sigma.to(dtype), guidance=torch.full((batch,), 3.5, device=device),
-                  pooled_projections=cond["pooled_prompt_embeds"], encoder_hidden_states=cond["prompt_embeds"],
-                  txt_ids=torch.zeros(spec["text_len"], 3, device=device, dtype=dtype),
-                  img_ids=FluxPipeline._prepare_latent_image_ids(batch, side, side, device, dtype), return_dict=False)
-    sampling = rollout.SamplingConfig(num_steps=t_steps, noise_level=0.7)
-    t_train = rollout.num_train_timesteps(sampling)
-    keep = [list(range(t_train))] * batch
-    seeds = list(range(batch))
-    ours = lambda: rollout.sample_trajectories(policy, cond, seeds, [100 + s for s in seeds], sampling, keep)  # noqa: E731
-    out = {}
-    with torch.no_grad():
-        out["bare_forward_s"] = _timed(lambda: transformer(**kwargs), 5, sync)
-    out["ours_rollout_step_s"] = _timed(ours, 2, sync) / t_steps
-    models.add_lora(policy, 32, 64.0)  # Flow-GRPO's attention targets; adapters in float32 (as training uses them)
-    lora = [p for p in transformer.parameters() if p.requires_grad]
-    out["ours_rollout_step_lora_fp32_s"] = _timed(ours, 2, sync) / t_steps
-
-    def bare_train():
-        transformer(**kwargs)[0].float().square().mean().backward()
-    for p in lora:
-        p.data = p.data.to(dtype)
-    out["bare_lora_fwd_bwd_s"] = _timed(bare_train, 5, sync)
-    for p in lora:
-        p.data = p.data.float()
-        p.grad = None
-    out["bare_lora_fp32_fwd_bwd_s"] = _timed(bare_train, 5, sync)
-    trainer = Trainer(policy, TrainConfig())
-    _, (x_t, x_next, logp, t_idx, sigmas) = ours()
-    fragment = gap.Fragment(step=0, index=0, policy_version=0, producer=0, group_size=batch,
-                            prompt_ids=torch.zeros(batch, dtype=torch.long), cond=cond, latents=x_t, next_latents=x_next,
-                            timestep_index=t_idx, sigmas=sigmas[t_idx], sigmas_next=sigmas[t_idx + 1], log_probs=logp,
-                            rewards=torch.randn(batch), reward_parts=torch.randn(batch, 1), advantages=torch.randn(batch))
-    fragment = fragment.to(device)
-    packs, masks = tsp.tsp_packs(batch, t_train, 0, 1, batch)  # packed pairs, per-sample timesteps, one pass = 4 pairs
-    out["ours_train_pack_s"] = _timed(lambda: trainer.accumulate(fragment, packs[:1], masks[:1], batch * t_train), 5, sync)
-    out["rollout_overhead"] = out["ours_rollout_step_s"] / out["bare_forward_s"] - 1
-    out["rollout_overhead_with_lora_fp32"] = out["ours_rollout_step_lora_fp32_s"] / out["bare_forward_s"] - 1
-    out["train_overhead"] = out["ours_train_pack_s"] / out["bare_lora_fwd_bwd_s"] - 1
-    out["train_overhead_vs_fp32_lora"] = out["ours_train_pack_s"] / out["bare_lora_fp32_fwd_bwd_s"] - 1
-    gpu = torch.cuda.get_device_name(device) if cuda else "cpu"
-    import diffusers
-    import peft
-    result = {"about": f"bench.py --size {args.size} --device {args.device}: our rollout loop (rollout.sample_trajectories: "
-                       "velocity + grpo.sde_step_with_logprob + per-trajectory CPU noise) per denoising step vs the bare "
-                       "transformer forward, and Trainer.accumulate on one packed pass (tsp.gather_pairs + pair_loss + backward) "
-                       "vs a bare LoRA r32 forward+backward; random weights and embeddings, batch 4; medians after warm-up.",
-              "gpu": gpu, "torch": torch.__version__, "diffusers": diffusers.__version__, "peft": peft.__version__,
-              "date": time.strftime("%Y-%m-%d %H:%M:%S"), "size": args.size, "dtype": str(dtype), "resolution": spec["res"],
-              "tokens": x.shape[1], "text_len": spec["text_len"], "batch": batch, "sampling_steps": t_steps,
-              "lora": "r32 alpha 64, attention targets (models.FluxFamily.lora_targets)", "init_s": init_s,
-              "targets": {"rollout_overhead": "< 5%", "train_overhead": "< 10%"},
-              "note": "rollout_overhead: no LoRA on either side. models.add_lora keeps the adapters in float32; the *_lora_fp32 "
-                      "figures separate that choice from the loop's own overhead (train_overhead_vs_fp32_lora).", **out}
-    name = "gpu_check_" + "".join(c if c.isalnum() else "_" for c in gpu.lower()).strip("_") + ".json"
-    for folder in ([os.path.join(HERE, "profiles")] if args.size != "tiny" else []) + [args.out]:
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, name), "w") as fh:
-            json.dump(result, fh, indent=1)
-    for key, value in out.items():
-        print(f"{key:<34} {value * (100 if 'overhead' in key else 1e3):9.2f} {'%' if 'overhead' in key else 'ms'}")
-    print(f"[bench] {gpu}: wrote {name} (init {init_s:.0f} s)")
     return 0
 
 

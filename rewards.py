@@ -4,7 +4,7 @@ A reward is a callable ``fn(images, prompts) -> Tensor[B]`` (float32, on the CPU
 ``images`` are float tensors in [0, 1], ``[B, 3, H, W]`` for images or ``[B, F, 3, H, W]``
 for videos, and ``prompts`` is a list of B strings. Image rewards given a video are applied
 to every frame and averaged over frames by one generic wrapper (``_per_frame``);
-``temporal_consistency`` consumes the video itself and ``remote`` sends the middle frame.
+``temporal_consistency`` consumes the video itself and ``remote`` (remote_reward.py) sends the middle frame.
 
 Rewards are combined with a spec string such as ``"color=1.0,jpeg_compressibility=0.1"``:
 ``build_reward(spec, options)`` returns a ``CombinedReward`` whose call gives one tensor per
@@ -12,7 +12,7 @@ named reward plus their weighted sum under ``"total"``. ``parse_reward_spec`` an
 ``check_reward_options`` validate a spec without loading any model, so a CLI can fail fast
 before it spawns processes.
 
-Custom rewards: a spec name ``path/to/file.py:function`` or ``package.module:function`` names
+Custom rewards (loaded by custom_reward.py): a spec name ``path/to/file.py:function`` or ``package.module:function`` names
 any callable with the reward signature above, e.g. ``--reward my_rewards.py:aesthetic=0.5,color=1``.
 It gets the images (or videos) as they are and must return [B] scores; its metrics are keyed
 by the name as written. ``check_reward_options`` imports it (the file by path, so spawned rank
@@ -26,22 +26,11 @@ print(r(torch.rand(2, 3, 32, 32), ['a red image', 'a blue image']))"
 
 from __future__ import annotations
 
-import base64
 import dataclasses
-import hashlib
-import http.client
-import importlib
-import importlib.util
-import inspect
 import io
-import json
 import math
 import os
 import re
-import sys
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -49,6 +38,9 @@ import numpy as np
 import torch
 from einops import rearrange
 from PIL import Image
+
+from custom_reward import CUSTOM_FORMS, is_custom, load_custom_reward, split_custom
+from remote_reward import RemoteRewardError, remote_scorer  # noqa: F401  (RemoteRewardError is re-exported)
 
 RewardFn = Callable[[torch.Tensor, list[str]], torch.Tensor]
 
@@ -63,10 +55,6 @@ class RewardOptions:
     remote_retries: int = 3  # retries after the first attempt, for timeouts/connection/5xx
     remote_backoff_s: float = 0.5  # sleep before retry k (0-based) is backoff * 2**k
     device: str = "cpu"  # where model-based rewards (CLIP) run
-
-
-class RemoteRewardError(RuntimeError):
-    """A reward server failed: unreachable, HTTP error, or a malformed response."""
 
 
 # ---------------------------------------------------------------- registry and video handling
@@ -259,169 +247,17 @@ def _make_temporal_consistency(options: RewardOptions) -> RewardFn:
 
 # ---------------------------------------------------------------- remote reward server
 
-def _png_base64(image: Image.Image) -> str:
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG")
-    return base64.b64encode(buffer.getvalue()).decode("ascii")
-
-
-def _parse_scores(body: bytes, url: str, expected: int) -> torch.Tensor:
-    """Validate a server answer {"scores": [float, ...]}; anything else is an error."""
-    try:
-        scores = json.loads(body)["scores"]
-    except (ValueError, TypeError, KeyError) as error:
-        raise RemoteRewardError(f"reward server {url} sent a malformed response (need JSON "
-                                f'{{"scores": [...]}}): {error!r}; body {body[:200]!r}') from None
-    if not isinstance(scores, list) or len(scores) != expected:
-        raise RemoteRewardError(f"reward server {url} sent {scores!r:.200} as scores; "
-                                f"expected a list of {expected} numbers")
-    # bool is an int in Python, but a server answering true/false has a bug.
-    bad = [s for s in scores if isinstance(s, bool) or not isinstance(s, (int, float))
-           or not math.isfinite(s)]
-    if bad:
-        raise RemoteRewardError(f"reward server {url} sent non-finite or non-numeric "
-                                f"scores {bad[:5]!r}")
-    return torch.tensor(scores, dtype=torch.float32)  # [B]
-
-
 @_register("remote", video="own")
 def _make_remote(options: RewardOptions) -> RewardFn:
-    """Scores from an HTTP reward server (as Flow-GRPO's): POST JSON
-    {"images": [base64 PNG], "prompts": [...]} -> {"scores": [float per image]}.
-
-    Videos send their middle frame only (frame F // 2), which keeps requests small and lets
-    any image reward server score videos. Timeouts, connection errors and HTTP 5xx are
-    retried with exponential backoff; HTTP 4xx and malformed answers are not (they would
-    fail the same way again).
-    """
-    url = options.remote_url
-
-    def post(body: bytes) -> bytes:
-        request = urllib.request.Request(url, data=body, method="POST",
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=options.remote_timeout_s) as response:
-            return response.read()
+    """Scores from an HTTP reward server (remote_reward.py): videos send their middle frame only."""
+    score = remote_scorer(options.remote_url, options.remote_timeout_s, options.remote_retries, options.remote_backoff_s)
 
     def remote(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
         if images.dim() == 5:
             images = images[:, images.shape[1] // 2]  # [B, 3, H, W], the middle frame
-        body = json.dumps({"images": [_png_base64(im) for im in to_pil_images(images)],
-                           "prompts": prompts}).encode("utf-8")
-        attempts = options.remote_retries + 1
-        for attempt in range(attempts):
-            try:
-                return _parse_scores(post(body), url, expected=len(prompts))
-            except urllib.error.HTTPError as error:  # a subclass of URLError: test it first
-                if error.code < 500:
-                    raise RemoteRewardError(f"reward server {url} refused the request with "
-                                            f"HTTP {error.code} {error.reason}") from error
-                last_error: Exception = error
-            except (urllib.error.URLError, http.client.HTTPException, OSError) as error:
-                last_error = error  # timeouts and connection errors are OSErrors too
-            if attempt + 1 < attempts:
-                time.sleep(options.remote_backoff_s * 2**attempt)
-        raise RemoteRewardError(f"reward server {url} failed after {attempts} attempts; "
-                                f"last error: {last_error!r}")
+        return score(to_pil_images(images), prompts)
 
     return remote
-
-
-# ---------------------------------------------------------------- custom rewards
-
-CUSTOM_FORMS = "'path/to/file.py:function' or 'package.module:function'"
-_loaded_files: dict[str, object] = {}  # absolute path -> module, so a file is executed once
-
-
-def is_custom(name: str) -> bool:
-    """A spec name with a colon names a custom reward function rather than a built-in one."""
-    return ":" in name
-
-
-def _split_custom(name: str) -> tuple[str, str]:
-    """ "dir/my.py:score" -> ("dir/my.py", "score"); raise if either side is malformed."""
-    target, _, attribute = name.rpartition(":")
-    target, attribute = target.strip(), attribute.strip()
-    if not target or not all(part.isidentifier() for part in attribute.split(".")):
-        raise ValueError(f"bad custom reward {name!r}: give {CUSTOM_FORMS} "
-                         f"(function a Python identifier)")
-    return target, attribute
-
-
-def _is_file(target: str) -> bool:
-    return target.endswith(".py") or "/" in target or os.sep in target
-
-
-def _import_file(path: str, name: str):
-    """Import a .py file by its path (not via sys.path, so spawned ranks load it too)."""
-    full = os.path.abspath(path)
-    if full in _loaded_files:
-        return _loaded_files[full]
-    if not os.path.isfile(full):
-        where = "" if full == path else f" (looked at {full!r})"
-        raise ValueError(f"custom reward {name!r}: file {path!r} does not exist{where}; "
-                         f"give {CUSTOM_FORMS}")
-    # A unique module name per path: two files called rewards.py must not replace each other.
-    digest = hashlib.sha1(full.encode()).hexdigest()[:10]
-    stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(full))[0])
-    module_name = f"_digenrl_reward_{stem}_{digest}"
-    spec = importlib.util.spec_from_file_location(module_name, full)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"custom reward {name!r}: {path!r} cannot be imported as Python "
-                         f"(need a .py file); give {CUSTOM_FORMS}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # pickling and dataclasses look functions up here
-    try:
-        spec.loader.exec_module(module)
-    except Exception as error:  # noqa: BLE001  (any failure of user code is a bad value)
-        sys.modules.pop(module_name, None)
-        raise ValueError(f"custom reward {name!r}: importing {path!r} failed: "
-                         f"{type(error).__name__}: {error}") from error
-    _loaded_files[full] = module
-    return module
-
-
-def _import_module(module_name: str, name: str):
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if module_name == error.name or module_name.startswith(f"{error.name}."):  # it is missing
-            path = module_name.replace(".", "/") + ".py"
-            hint = (f"; there is a file {path!r}: use '{path}:{name.rpartition(':')[2]}'"
-                    if os.path.isfile(path) else " (a file path must end in .py)")
-            raise ValueError(f"custom reward {name!r}: no module {module_name!r} on sys.path; "
-                             f"give {CUSTOM_FORMS}{hint}") from error
-        raise ValueError(f"custom reward {name!r}: importing {module_name!r} failed: "
-                         f"{type(error).__name__}: {error}") from error
-    except Exception as error:  # noqa: BLE001
-        raise ValueError(f"custom reward {name!r}: importing {module_name!r} failed: "
-                         f"{type(error).__name__}: {error}") from error
-
-
-def load_custom_reward(name: str) -> RewardFn:
-    """The callable a custom spec name points at ("file.py:fn" or "package.module:fn");
-    raises ValueError naming the bad part and what is allowed."""
-    target, attribute = _split_custom(name)
-    module = _import_file(target, name) if _is_file(target) else _import_module(target, name)
-    fn = module
-    for part in attribute.split("."):
-        if not hasattr(fn, part):
-            available = sorted(n for n, v in vars(module).items()
-                               if callable(v) and not n.startswith("_") and not inspect.isclass(v)
-                               and getattr(v, "__module__", None) == module.__name__)
-            raise ValueError(f"custom reward {name!r}: {target!r} has no attribute "
-                             f"{attribute!r}; functions defined there: {available}")
-        fn = getattr(fn, part)
-    if not callable(fn):
-        raise ValueError(f"custom reward {name!r}: {attribute!r} in {target!r} is not callable "
-                         f"(type {type(fn).__name__}); need a function fn(images, prompts) -> [B]")
-    try:  # catch a wrong signature now rather than in every rank at the first reward
-        inspect.signature(fn).bind(None, None)
-    except TypeError:
-        raise ValueError(f"custom reward {name!r}: {attribute}{inspect.signature(fn)} cannot "
-                         f"be called as fn(images, prompts)") from None
-    except ValueError:  # some builtins have no signature; let the call decide
-        pass
-    return fn
 
 
 def make_reward(name: str, options: RewardOptions | None = None) -> RewardFn:
@@ -443,7 +279,7 @@ def parse_reward_spec(spec: str) -> dict[str, float]:
         name, _, weight_text = item.partition("=")
         name = name.strip()
         if is_custom(name):
-            _split_custom(name)  # syntax only: importing is check_reward_options' job
+            split_custom(name)  # syntax only: importing is check_reward_options' job
         elif name not in REWARDS:
             raise ValueError(f"unknown reward {name!r} in spec {spec!r}; known rewards: "
                              f"{sorted(REWARDS)}, or a custom one as {CUSTOM_FORMS}")

@@ -23,7 +23,6 @@ import dataclasses
 import heapq
 import json
 import math
-import os
 from collections import defaultdict
 
 import tag  # the runtime's TAG predictor: the simulated trainer decides exactly as the real one
@@ -36,7 +35,6 @@ MODES = {  # name: (placement, gap, tsp, tag, async) -- the mixes bench.py runs,
     "gap+tsp+tag": ("disaggregated", True, True, True, False),
     "digenrl": ("disaggregated", True, True, True, True),
 }
-PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 
 
 @dataclasses.dataclass
@@ -363,7 +361,7 @@ def best_split(mode: str, costs: Costs, cluster: Cluster, wl: Workload) -> StepR
     return min((simulate(mode, costs, c, wl) for c in splits), key=lambda rep: rep.step_s)
 
 
-# --- profiles -----------------------------------------------------------------------------------
+# --- bench-measured profiles -----------------------------------------------------------------------------------
 def load_costs(path: str) -> tuple[Costs, dict]:
     """A bench-produced costs JSON -> (Costs, the whole file: it also holds the workload and cluster)."""
     with open(path) as f:
@@ -373,82 +371,10 @@ def load_costs(path: str) -> tuple[Costs, dict]:
     return costs, data
 
 
-def paper_settings() -> dict:
-    with open(os.path.join(PROFILE_DIR, "paper_settings.json")) as f:
-        return json.load(f)
-
-
-def paper_workload(label: str, max_stale: int | None = None) -> Workload:
-    s, p = paper_settings()["models"][label], paper_settings()
-    return Workload(groups=p["batch_groups"], group_size=s["G"], num_steps=s["T"], train_steps=round(s["frac"] * s["T"]),
-                    fragment_groups=p["fragment_groups"], tsp_pack=s["pack"], max_stale=max_stale, steps=8)
-
-
-def paper_costs(label: str, fragment_m: int, train_steps: int) -> Costs:
-    """H200 costs of a seed model: profiles/h200_*.json rows plus the assumptions in profiles/paper_settings.json."""
-    p = paper_settings()
-    s = p["models"][label]
-    with open(os.path.join(PROFILE_DIR, s["file"])) as f:
-        data = json.load(f)
-    rows = lambda key, **match: {r["bs"]: r["sec"] / r["bs"] for r in data[key]  # noqa: E731  (seconds per sample)
-                                 if "sec" in r and all(r.get(k) == v for k, v in match.items())}
-    link, scale = p["link_bytes_per_s"], s["params"] / p["flux_params"]  # LoRA size scales with the model
-    return Costs(rows(**s["forward"]), rows(**s["train"]), decode_s=s["decode_s"], reward_s=s["reward_s"],
-                 transfer_s=fragment_m * (train_steps * s["latent_bytes"] + s["text_bytes"]) / link,
-                 publish_s=scale * (p["flux_lora_device_to_host_s"] + p["flux_lora_bytes"] / link),
-                 optimizer_s=p["optimizer_s"], allreduce_s=p["allreduce_s"], step_overhead_s=p["step_overhead_s"],
-                 true_cfg=s["true_cfg"], name=label, provenance=f"measured: profiles/{s['file']} ({data['gpu']})")
-
-
-def scaled_costs(base: Costs, ratio: float, label: str, true_cfg: bool) -> Costs:
-    """A family with no measurement: forward and train costs of a measured one times a FLOPs ratio."""
-    return dataclasses.replace(base, forward_s={k: v * ratio for k, v in base.forward_s.items()},
-                               train_s={k: v * ratio for k, v in base.train_s.items()}, true_cfg=true_cfg, name=label,
-                               provenance=f"NOT measured: {base.name} costs scaled by FLOPs x{ratio:.2f}")
-
-
-def _fmt(rep: StepReport) -> str:
+def format_report(rep: StepReport) -> str:
     busy = " ".join(f"{k[0]}={v:.2f}" for k, v in rep.busy.items())
     return (f"{rep.mode:<12} R={rep.rollout_ranks:<3} step {rep.step_s:8.2f}s  traj/s {rep.trajectories_per_s:6.2f}  "
             f"eff {rep.efficiency:5.2f}  bubble {rep.bubble:5.2f}  busy {busy:<14} tag/step {rep.tag_fragments:4.1f}")
-
-
-def print_paper() -> list[dict]:
-    p = paper_settings()
-    print("# DigenRL cost model at paper settings (python simulate.py --paper). Assumptions (profiles/paper_settings.json):")
-    print("\n".join(f"#  - {line}" for line in p["assumptions"]))
-    extra = p["unmeasured_example"]
-    cases = [(label, n) for label in p["models"] for n in (16, 32)]
-    cases += [(extra["label"], 16), (next(iter(p["models"])), "hetero")]
-    results = []
-    for label, nproc in cases:
-        key = label if label in p["models"] else extra["scale_from"]
-        wl = paper_workload(key)
-        costs = paper_costs(key, wl.m, wl.train_steps)
-        if key != label:  # a family with no profile: FLOPs-scaled from a measured one
-            ratio = extra["params"] / p["models"][key]["params"] * extra["tokens_ratio"]
-            costs = scaled_costs(costs, ratio, label, extra["true_cfg"])
-        if nproc == "hetero":
-            cluster = Cluster(32, 16, rollout_kind="half", speeds={"h200": 1.0, "half": 0.5})
-            run = lambda mode, w: simulate(mode, costs, cluster, w)  # noqa: E731
-        else:
-            cluster = Cluster(nproc)
-            run = lambda mode, w: best_split(mode, costs, cluster, w)  # noqa: E731
-        reports = [run(mode, wl) for mode in MODES]
-        reports.append(dataclasses.replace(run("digenrl", paper_workload(key, max_stale=1)), mode="digenrl j=1"))
-        colocated, naive, full, full_j1 = reports[0], reports[1], reports[-2], reports[-1]
-        where = "16 rollout GPUs at 0.5x + 16 H200 trainers" if nproc == "hetero" else f"{nproc} H200"
-        print(f"\n## {label}, {where}: T={wl.num_steps} T_train={wl.train_steps} G={wl.group_size} B={wl.groups}  "
-              f"[{costs.provenance}]")
-        for rep in reports:
-            print("  " + _fmt(rep))
-        best = min(full.step_s, full_j1.step_s)
-        print(f"  DigenRL (j=R) vs colocated: {colocated.step_s / full.step_s:.2f}x (j=1: {colocated.step_s / full_j1.step_s:.2f}x; "
-              f"paper: 1.56-2.10x); vs naive {naive.step_s / full.step_s:.2f}x; colocated switch for 1.56x: "
-              f"{max(0.0, 1.56 * best - colocated.step_s):.1f} s/step")
-        results.append({"model": label, "cluster": where, "provenance": costs.provenance,
-                        "reports": [dataclasses.asdict(r) for r in reports]})
-    return results
 
 
 def main(argv=None) -> int:
@@ -461,6 +387,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="also write the reports as JSON here")
     args = parser.parse_args(argv)
     if args.paper:
+        from paper_scale import print_paper  # the measured H200 profiles and the paper's settings
         results = print_paper()
     elif args.costs:
         costs, data = load_costs(args.costs)
@@ -473,7 +400,7 @@ def main(argv=None) -> int:
         reports = [best_split(m, costs, cluster, wl) if args.rollout_ranks == 0 else simulate(m, costs, cluster, wl)
                    for m in MODES]
         for rep in reports:
-            print(_fmt(rep))
+            print(format_report(rep))
         results = [dataclasses.asdict(r) for r in reports]
     else:
         parser.error("give --paper or --costs FILE")
