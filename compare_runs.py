@@ -58,15 +58,16 @@ def main(argv=None) -> int:
     if args.window < 1 or not 0 < args.tail <= 1:
         print(f"error: --window must be >= 1 (got {args.window}) and --tail in (0, 1] (got {args.tail})", file=sys.stderr)
         return 2
-    runs = {}
+    paths = {}  # label -> run directory
+    for spec in args.runs:
+        label, _, path = spec.rpartition("=") if "=" in spec else (os.path.basename(spec.rstrip("/")), "", spec)
+        paths[label] = path
     try:
-        for spec in args.runs:
-            label, _, path = spec.rpartition("=") if "=" in spec else (os.path.basename(spec.rstrip("/")), "", spec)
-            runs[label] = read_rows(path)
+        runs = {label: read_rows(path) for label, path in paths.items()}
     except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    out = args.out or os.path.join(os.path.dirname(args.runs[0].split("=")[-1].rstrip("/")) or ".", "reward_curves.png")
+    out = args.out or os.path.join(os.path.dirname(next(iter(paths.values())).rstrip("/")) or ".", "reward_curves.png")
     plot_reward_curves(runs, out, eval_too=True, window=args.window, title=" vs ".join(runs))
     tail = f"{int(args.tail * 100)}%"
     w = max(16, max(len(label) for label in runs) + 2)

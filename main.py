@@ -91,14 +91,9 @@ def run_rank(cfg: config_lib.Config, rank: int, world: int, local_rank: int, mas
         ckpt = runio.check_resume(cfg.resume, cfg)
         state = torch.load(os.path.join(ckpt, "state.pt"), map_location="cpu", weights_only=False)
         job.start_step = state["step"]
-        if trainer is not None:
+        if trainer is not None:  # rollout ranks get the weights from the leader's first publish
             trainer.load_checkpoint_state(state)  # re-shards under FSDP
             trainer.version = state["step"]
-        else:
-            with torch.no_grad():
-                for name, p in policy.transformer.named_parameters():
-                    if p.requires_grad:
-                        p.copy_(state["weights"][name])
         runio.set_rng_state(state["rng"])
 
     run_dir, bar = None, None
@@ -113,9 +108,7 @@ def run_rank(cfg: config_lib.Config, rank: int, world: int, local_rank: int, mas
     last = {"t": time.perf_counter()}
 
     def on_step_end(step, metrics, trainer):
-        # Under FSDP every trainer takes part in evaluation and in gathering the checkpoint (collectives).
-        takes_part = rank == groups.leader or cfg.fsdp
-        if not takes_part:
+        if rank != groups.leader and not cfg.fsdp:  # under FSDP, evaluation and checkpoint gathering are collectives
             return
         metrics.update(step_time_s=time.perf_counter() - last["t"], version=trainer.version)
         scores = images = state = None

@@ -250,7 +250,9 @@ def run_trainer(job: Job, trainer) -> None:
 
 
 def _publish(job: Job, trainer, is_leader: bool) -> None:
-    """Every trainer gathers whole weights (a collective when FSDP-sharded); the leader broadcasts them."""
+    """The leader broadcasts whole weights; under FSDP every trainer takes part in gathering them (a collective)."""
+    if not (is_leader or trainer.sharded):
+        return
     with job.tracer.span("publish", version=trainer.version):
         weights = trainer.full_weights()
         if is_leader:
@@ -358,9 +360,9 @@ def _assist(job: Job, trainer, step: int, index: int) -> gap.Fragment:
         with job.tracer.span("tag", step=step, index=index):
             mine = generate_fragment(job.policy, sub, job.prompts, job.sampling, job.reward_fn,
                                      trainer.version, TAG_PRODUCER)
-    producers = [r for r in range(k) if (lambda lo, hi: lo < hi)(*tag.split_groups(groups, k, r))]
+    shares = [tag.split_groups(groups, k, r) for r in range(k)]
     parts = [gap.broadcast_fragment(mine if r == me else None, g.trainer_ranks[r], g.trainer, job.comm_device)
-             for r in producers] if k > 1 else [mine]
+             for r, (lo_r, hi_r) in enumerate(shares) if lo_r < hi_r] if k > 1 else [mine]
     trainer.assisted[step] = trainer.assisted.get(step, 0) + 1
     trainer.tag_estimates["gen_trainer"].update(time.perf_counter() - start)
     return gap.concat_fragments(parts)

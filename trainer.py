@@ -67,8 +67,8 @@ class MetricSums:
 class Trainer:
     def __init__(self, policy, cfg: TrainConfig, group=None, comm_device="cpu", sharded: bool = False):
         self.policy, self.cfg, self.group, self.comm_device, self.sharded = policy, cfg, group, comm_device, sharded
-        self.names = [n for n, p in policy.transformer.named_parameters() if p.requires_grad]
-        self.params = [p for p in policy.transformer.parameters() if p.requires_grad]
+        trainable = [(n, p) for n, p in policy.transformer.named_parameters() if p.requires_grad]
+        self.names, self.params = [n for n, _ in trainable], [p for _, p in trainable]
         if not self.params:
             raise ValueError("the transformer has no trainable parameters")
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
