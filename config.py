@@ -212,7 +212,7 @@ def validate(c: Config, world_size: int) -> None:
     if c.pretrained is not None:
         models.get_family(c.model).check_pretrained(c.pretrained)
     if c.resume is not None:
-        import runio
+        from infra import rundir as runio
         runio.check_resume(c.resume, c)
     del spec
 

@@ -29,10 +29,10 @@ def run_rank(cfg: config_lib.Config, rank: int, world: int, local_rank: int, mas
     import gap
     import models
     import rewards
-    import runio
+    from infra import rundir as runio
     import runtime
     from rollout import SamplingConfig
-    from trace import Tracer, gather_spans, write_chrome_trace, write_timeline_png
+    from infra.tracing import Tracer, gather_spans, write_chrome_trace, write_timeline_png
     from trainer import TrainConfig, Trainer
 
     torch.set_num_threads(cfg.threads)

@@ -3,10 +3,10 @@ import json
 
 import pytest
 
-import bench
+from tools import bench
 import config as config_lib
-import simulate
-import trace as tr
+from tools import simulate
+from infra import tracing as tr
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -61,7 +61,7 @@ def test_gpu_check_without_cuda_exits_clearly(capsys):
 
 
 def test_compare_runs_plots_every_run_and_summarises(tmp_path, capsys):
-    import compare_runs
+    from tools import compare_runs
 
     for name, slope in (("fast", 0.01), ("slow", 0.005)):
         run = tmp_path / name

@@ -19,7 +19,7 @@ import torch
 import gap
 import main
 import rewards
-import runio
+from infra import rundir as runio
 from conftest import ROOT, checkpoint_weights, read_metrics, run_main
 
 pytestmark = pytest.mark.timeout(300)

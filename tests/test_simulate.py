@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-import simulate as sim
+from tools import simulate as sim
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -93,7 +93,7 @@ def test_bound_is_never_beaten():
 
 
 def test_paper_profiles_load():
-    import paper_scale
+    from tools import paper_scale
     for label in paper_scale.paper_settings()["models"]:
         costs = paper_scale.paper_costs(label, fragment_m=8, train_steps=8)
         assert costs.forward_s and costs.train_s and "measured" in costs.provenance

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-import trace as tr  # the project's trace.py (conftest.py puts the root first on sys.path)
+from infra import tracing as tr
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -184,7 +184,7 @@ def _free_port():
 def _gather_worker(rank, world_size, port, out_dir):
     import torch.distributed as dist
 
-    import trace as project_trace  # spawn children inherit the parent's sys.path
+    from infra import tracing as project_trace  # spawn children inherit the parent's sys.path
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size, timeout=datetime.timedelta(seconds=30))

@@ -14,7 +14,11 @@ import os
 import statistics
 import sys
 
-from runio import plot_reward_curves
+
+if __package__ in (None, ""):  # run as `python tools/X.py`: make the project root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from infra.rundir import plot_reward_curves  # noqa: E402
 
 
 def read_rows(run_dir: str) -> list[dict]:

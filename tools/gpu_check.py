@@ -16,6 +16,9 @@ import statistics
 import sys
 import time
 
+if __package__ in (None, ""):  # run as `python tools/X.py`: make the project root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 

@@ -23,11 +23,14 @@ import subprocess
 import sys
 import time
 
-import gpu_check
-import simulate
-from trace import STEP_MARK_KIND
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+if __package__ in (None, ""):  # run as `python tools/X.py`: make the project root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from infra.tracing import STEP_MARK_KIND  # noqa: E402
+from tools import gpu_check, simulate  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Tuned on this 2-core machine (with simulate.py): fragments of 2 groups (M = 2) amortise the ~14 ms a fragment
 # takes to cross gloo; T_train = 8 of T = 24 balances generation and training on 1 rollout + 1 trainer rank.
 QUICK = dict(model="flux", steps=8, num_steps=24, timestep_fraction=0.35, prompts_per_step=4, group_size=4,
@@ -46,7 +49,7 @@ def mode_flags(mode: str) -> list[str]:
 def run_mode(mode: str, args) -> dict:
     run_dir = os.path.join(args.out, mode)
     shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl appends: start clean
-    cmd = [sys.executable, os.path.join(HERE, "main.py"), *mode_flags(mode), "--model", args.model, "--steps", str(args.steps),
+    cmd = [sys.executable, os.path.join(ROOT, "main.py"), *mode_flags(mode), "--model", args.model, "--steps", str(args.steps),
            "--num-steps", str(args.num_steps), "--timestep-fraction", str(args.timestep_fraction),
            "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
            "--fragment-groups", str(args.fragment_groups), "--tsp-pack", str(args.tsp_pack), "--nproc", str(args.nproc),
@@ -304,5 +307,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, HERE)
     raise SystemExit(main())

@@ -4,7 +4,7 @@ A reward is a callable ``fn(images, prompts) -> Tensor[B]`` (float32, on the CPU
 ``images`` are float tensors in [0, 1], ``[B, 3, H, W]`` for images or ``[B, F, 3, H, W]``
 for videos, and ``prompts`` is a list of B strings. Image rewards given a video are applied
 to every frame and averaged over frames by one generic wrapper (``_per_frame``);
-``temporal_consistency`` consumes the video itself and ``remote`` (remote_reward.py) sends the middle frame.
+``temporal_consistency`` consumes the video itself and ``remote`` (rewards/remote.py) sends the middle frame.
 
 Rewards are combined with a spec string such as ``"color=1.0,jpeg_compressibility=0.1"``:
 ``build_reward(spec, options)`` returns a ``CombinedReward`` whose call gives one tensor per
@@ -12,7 +12,7 @@ named reward plus their weighted sum under ``"total"``. ``parse_reward_spec`` an
 ``check_reward_options`` validate a spec without loading any model, so a CLI can fail fast
 before it spawns processes.
 
-Custom rewards (loaded by custom_reward.py): a spec name ``path/to/file.py:function`` or ``package.module:function`` names
+Custom rewards (loaded by rewards/custom.py): a spec name ``path/to/file.py:function`` or ``package.module:function`` names
 any callable with the reward signature above, e.g. ``--reward my_rewards.py:aesthetic=0.5,color=1``.
 It gets the images (or videos) as they are and must return [B] scores; its metrics are keyed
 by the name as written. ``check_reward_options`` imports it (the file by path, so spawned rank
@@ -39,8 +39,8 @@ import torch
 from einops import rearrange
 from PIL import Image
 
-from custom_reward import CUSTOM_FORMS, is_custom, load_custom_reward, split_custom
-from remote_reward import RemoteRewardError, remote_scorer  # noqa: F401  (RemoteRewardError is re-exported)
+from rewards.custom import CUSTOM_FORMS, is_custom, load_custom_reward, split_custom
+from rewards.remote import RemoteRewardError, remote_scorer  # noqa: F401  (RemoteRewardError is re-exported)
 
 RewardFn = Callable[[torch.Tensor, list[str]], torch.Tensor]
 
@@ -249,7 +249,7 @@ def _make_temporal_consistency(options: RewardOptions) -> RewardFn:
 
 @_register("remote", video="own")
 def _make_remote(options: RewardOptions) -> RewardFn:
-    """Scores from an HTTP reward server (remote_reward.py): videos send their middle frame only."""
+    """Scores from an HTTP reward server (rewards/remote.py): videos send their middle frame only."""
     score = remote_scorer(options.remote_url, options.remote_timeout_s, options.remote_retries, options.remote_backoff_s)
 
     def remote(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:

@@ -12,8 +12,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 
-from simulate import MODES, Cluster, Costs, Workload, best_split, format_report, simulate
+if __package__ in (None, ""):  # run as `python tools/X.py`: make the project root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tools.simulate import MODES, Cluster, Costs, Workload, best_split, format_report, simulate
 
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 

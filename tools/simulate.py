@@ -23,9 +23,14 @@ import dataclasses
 import heapq
 import json
 import math
+import os
+import sys
 from collections import defaultdict
 
-import tag  # the runtime's TAG predictor: the simulated trainer decides exactly as the real one
+if __package__ in (None, ""):  # run as `python tools/X.py`: make the project root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import tag  # noqa: E402  # the runtime's TAG predictor: the simulated trainer decides exactly as the real one
 
 MODES = {  # name: (placement, gap, tsp, tag, async) -- the mixes bench.py runs, in this order
     "colocated": ("colocated", False, False, False, False),
@@ -387,7 +392,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="also write the reports as JSON here")
     args = parser.parse_args(argv)
     if args.paper:
-        from paper_scale import print_paper  # the measured H200 profiles and the paper's settings
+        from tools.paper_scale import print_paper  # the measured H200 profiles and the paper's settings
         results = print_paper()
     elif args.costs:
         costs, data = load_costs(args.costs)

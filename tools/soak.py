@@ -29,7 +29,7 @@ import time
 
 import psutil
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WINDOW = 5  # steps per figure
 FIRST = 20  # the first figure: after warm-up (allocator pools, lazy imports, first checkpoint-free steps)
 RSS_LIMIT = 0.10  # relative RSS growth that fails the soak

@@ -1,0 +1,1 @@
+"""Infrastructure: the run directory (rundir) and per-rank tracing (tracing)."""
