@@ -71,6 +71,8 @@ class Config:
     beta: float = field(0.0, "KL weight to the reference policy; >0 costs one more forward per pair")
     adv_clip: float = field(5.0, "advantages are clipped to +-adv_clip")
     weight_decay: float = field(0.0, "AdamW weight decay")
+    optimizer: str = field("adamw", "adamw, or sgd (plain gradient descent: the update is exactly -lr x gradient, so "
+                           "two runs' weights differ as their gradients do; the equivalence tests use it)")
     lora: Optional[bool] = field(None, "LoRA on the transformer (--no-lora trains all weights); unset = off for tiny pipelines, on for --pretrained")
     lora_rank: int = field(32, "LoRA rank: larger = more capacity and bigger weight publishes")
     lora_alpha: float = field(64.0, "LoRA alpha (scale = alpha / rank)")
@@ -81,7 +83,10 @@ class Config:
     device: str = field("auto", "auto, cpu or cuda")
     dtype: str = field("auto", "auto (bfloat16 on cuda, float32 on cpu), float32 or bfloat16")
     threads: int = field(1, "torch CPU threads per rank")
-    timeout_s: float = field(300.0, "bound on every blocking wait (collectives, store, receives): a dead peer ends the job within it")
+    timeout_s: float = field(300.0, "seconds a rank may show no sign of life (no heartbeat) before the job stops; "
+                             "never bounds a step, which may take minutes. Smaller = a dead rank is found sooner")
+    backend: str = field("auto", "compute-plane backend: auto (NCCL when every rank of a node has its own GPU, else "
+                         "gloo), nccl, gloo. The data plane is always gloo with CPU tensors (comm.py)")
     seed: int = field(0, "seed of prompts order and noise: the same seed gives the same trajectories in every mode")
     # run directory
     run_name: Optional[str] = field(None, "runs/<run_name>; unset = model-mode-timestamp")
@@ -169,10 +174,16 @@ def validate(c: Config, world_size: int) -> None:
         _bad(f"--noise-level must be > 0 for training (the SDE needs noise), got {c.noise_level}")
     if c.beta < 0 or c.max_stale_fragments < 0 or c.eval_every < 0 or c.save_every < 0 or c.max_bad_steps < 1:
         _bad("--beta, --max-stale-fragments, --eval-every and --save-every must be >= 0 and --max-bad-steps >= 1")
+    if c.optimizer not in ("adamw", "sgd"):
+        _bad(f"--optimizer {c.optimizer!r} is not one of adamw, sgd")
     if c.algo not in ("flow_grpo", "dance_grpo"):
         _bad(f"--algo {c.algo!r} is not one of flow_grpo, dance_grpo")
     if c.lora_targets not in ("attention", "all-linear"):
         _bad(f"--lora-targets {c.lora_targets!r} is not one of attention, all-linear")
+    if c.backend not in ("auto", "nccl", "gloo"):
+        _bad(f"--backend {c.backend!r} is not one of auto, nccl, gloo")
+    if c.backend == "nccl" and c.device == "cpu":
+        _bad("--backend nccl needs CUDA tensors; with --device cpu use --backend gloo (or auto)")
     if c.device not in ("auto", "cpu", "cuda"):
         _bad(f"--device {c.device!r} is not one of auto, cpu, cuda")
     if c.dtype not in ("auto", "float32", "bfloat16"):
@@ -205,7 +216,6 @@ def validate(c: Config, world_size: int) -> None:
     if c.tag and not (c.gap and c.tsp):
         _bad("--tag needs --gap and --tsp (the trainer group generates while it waits for streamed fragments, "
              "then trains them spread over all trainers)")
-    spec = rewards.parse_reward_spec(c.reward)
     rewards.check_reward_options(c.reward, reward_options(c))
     if c.prompt_file is not None:
         load_prompts(c.prompt_file)
@@ -214,7 +224,6 @@ def validate(c: Config, world_size: int) -> None:
     if c.resume is not None:
         from infra import rundir as runio
         runio.check_resume(c.resume, c)
-    del spec
 
 
 def reward_options(c: Config):

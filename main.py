@@ -5,12 +5,16 @@
     python main.py --mode naive                      # disaggregated with the full-batch barrier
     torchrun --nproc_per_node=8 main.py --pretrained /models/FLUX.1-dev --rollout-ranks 4 ...
 
-Started as one process it spawns --nproc ranks itself (and watches them: if one dies, all stop and the
-exit message names the rank and its role); under torchrun each process is a rank. Every input is
-validated before any rank starts. See config.py for every option and README.md for the mechanisms.
+Started as one process it spawns --nproc ranks itself (infra/launch.py watches them: if one dies or
+goes silent, all stop and the exit message names the rank and its role); under torchrun each
+process is a rank. Every input is validated before any rank starts. `run_rank` below is one rank:
+the process groups (comm.py), the policy, then the rank's loop with the four mechanisms plugged in:
+GAP (gap.consume / gap.claims), TSP (tsp.lockstep_fragments, tsp.tsp_packs), TAG (tag.Assistant)
+and TCSS (async_policy.StaleBudget / generate_ahead). See config.py for every option.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import json
@@ -19,45 +23,86 @@ import sys
 import time
 
 import config as config_lib
+from infra.launch import launch
 
 
-# --- one rank ----------------------------------------------------------------------------------
-def run_rank(cfg: config_lib.Config, rank: int, world: int, local_rank: int, master: tuple[str, int], agent_store: bool) -> None:
+@dataclasses.dataclass
+class Rank:
+    """What every rank builds before its loop (run_rank), used by the rollout and trainer wiring below."""
+
+    cfg: config_lib.Config
+    rank: int
+    world: int
+    groups: object  # comm.Groups
+    store: object  # the torch.distributed store (None at world size 1)
+    tracer: object
+    policy: object
+    params: list
+    reward_fn: object
+    prompts: list[str]
+    eval_prompts: list[str]
+    sampling: object
+    queue: object  # gap.FragmentQueue
+    steps: range
+
+    def generate(self, step: int, first: int, count: int, version: int, producer: int):
+        """Groups [first, first + count) of step `step`: the one generation path of every producer."""
+        import gap
+        import rollout
+        import tag
+
+        c = self.cfg
+        spec = gap.fragment_spec(c.seed, step, first, count, len(self.prompts), c.prompts_per_step, c.group_size,
+                                 shared_group_noise=(c.algo == "dance_grpo"))
+        kind = "tag" if producer == tag.TAG_PRODUCER else "generate"
+        with self.tracer.span(kind, step=step, first_group=first, version=version):
+            return rollout.generate_fragment(self.policy, spec, self.prompts, self.sampling, self.reward_fn,
+                                             version, producer)
+
+    def prefixed(self, name: str):
+        import torch.distributed as dist
+        return dist.PrefixStore(name, self.store) if self.store is not None else None
+
+
+def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple[str, int], agent_store: bool,
+             report_silent=None) -> None:
+    """One rank: groups (comm.py), liveness, the policy, then the rollout or trainer loop, then shutdown."""
     import torch
     import torch.distributed as dist
 
+    import comm
     import gap
     import models
     import rewards
-    from infra import rundir as runio
-    import runtime
-    from rollout import SamplingConfig
+    import rollout
+    from infra.liveness import Liveness, on_sigterm_name_the_dead
     from infra.tracing import Tracer, gather_spans, write_chrome_trace, write_timeline_png
-    from trainer import TrainConfig, Trainer
 
+    cfg = cfg if isinstance(cfg, config_lib.Config) else config_lib.from_dict(cfg)
     torch.set_num_threads(cfg.threads)
-    run_path = cfg.resume or os.path.join(cfg.out_dir, cfg.run_name or config_lib.default_run_name(cfg))
-    os.makedirs(os.path.join(run_path, "pids"), exist_ok=True)  # so operators (and tests) can find each rank
-    with open(os.path.join(run_path, "pids", f"rank{rank}.pid"), "w") as f:
-        f.write(f"{os.getpid()} {role_of(cfg, rank, world)}\n")
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     device = f"cuda:{local_rank % torch.cuda.device_count()}" if use_cuda else "cpu"
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(cfg.dtype, torch.bfloat16 if use_cuda else torch.float32)
-    # NCCL needs one GPU per rank (DESIGN.md section 7); otherwise gloo with host-staged transfers.
-    nccl = use_cuda and torch.cuda.device_count() >= world
-    comm_device = device if nccl else "cpu"
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+        cfg.dtype, torch.bfloat16 if use_cuda else torch.float32)
     if use_cuda:
         torch.cuda.set_device(device)
-        torch.backends.cuda.enable_cudnn_sdp(False)  # DESIGN.md section 7: cuDNN SDPA backward crashed on H200
-    timeout = datetime.timedelta(seconds=cfg.timeout_s)
-    store = None
+        torch.backends.cuda.enable_cudnn_sdp(False)  # docs/DESIGN.md section 7: cuDNN SDPA backward crashed on H200
+    roles = [comm.role_of(cfg.placement, cfg.rollout_ranks, r, world) for r in range(world)]
+    _name_process(f"dg{rank}-{roles[rank]}")  # what ps/top (and tools/soak.py) show for this rank
+    store, watch = None, None
     if world > 1:
-        store = dist.TCPStore(master[0], master[1], world, is_master=(rank == 0 and not agent_store), timeout=timeout)
-        dist.init_process_group("nccl" if nccl else "gloo", store=dist.PrefixStore("pg", store),
-                                rank=rank, world_size=world, timeout=timeout)
-    groups = runtime.build_groups(rank, world, cfg.placement, cfg.rollout_ranks, timeout)
+        backend = comm.choose_backend(use_cuda, torch.cuda.device_count() if use_cuda else 0, world, os.environ,
+                                      cfg.backend)
+        store = dist.TCPStore(master[0], master[1], world, is_master=(rank == 0 and not agent_store),
+                              timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
+                                timeout=comm.NO_DEADLINE)
+        watch = Liveness(dist.PrefixStore("liveness", store), rank, roles, cfg.timeout_s, report_silent).start()
+        if agent_store or "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: name the dead rank's role too
+            on_sigterm_name_the_dead(watch, rank, roles[rank])
+    groups = comm.build_groups(rank, world, cfg.placement, cfg.rollout_ranks)
     tracer = Tracer(rank, groups.role, enabled=cfg.trace)
-    tracer.align()
+    tracer.align(groups.world_data)
 
     path = cfg.pretrained or models.tiny_pipeline_path(cfg.model, cfg.cache_dir)
     policy = models.load(cfg.model, path, device, dtype, height=cfg.resolution or None, frames=cfg.frames or None,
@@ -70,94 +115,256 @@ def run_rank(cfg: config_lib.Config, rank: int, world: int, local_rank: int, mas
         models.enable_full_training(policy)
     if cfg.grad_ckpt and groups.is_trainer:
         policy.transformer.enable_gradient_checkpointing()
-    params = [p for p in policy.transformer.parameters() if p.requires_grad]
-
-    reward_fn = rewards.build_reward(cfg.reward, config_lib.reward_options(cfg))
     prompts = config_lib.load_prompts(cfg.prompt_file) if cfg.prompt_file else rewards.color_prompts("train")
-    eval_prompts = rewards.color_prompts("eval") if cfg.prompt_file is None else prompts[: min(len(prompts), 8)]
-    sampling = SamplingConfig(cfg.num_steps, cfg.noise_level, cfg.timestep_fraction, cfg.algo, cfg.adv_clip)
-    m = cfg.prompts_per_step // cfg.fragment_groups
-    queue = gap.FragmentQueue(dist.PrefixStore("queue", store), m, cfg.timeout_s) if store is not None else None
-    job = runtime.Job(cfg, groups, policy, prompts, sampling, reward_fn, reward_fn.names, queue, tracer, comm_device)
-
-    trainer = None
-    if groups.is_trainer:
-        if cfg.fsdp:
-            _shard(policy, groups, keep_reference=cfg.beta > 0 and not cfg.lora)
-        trainer = Trainer(policy, TrainConfig(cfg.lr, cfg.weight_decay, 1e-8, cfg.clip_range, cfg.max_grad_norm, cfg.beta,
-                                              cfg.noise_level, cfg.algo, cfg.max_bad_steps),
-                          group=groups.trainer, comm_device=comm_device, sharded=cfg.fsdp)
+    import gc
+    gc.freeze()  # the libraries' and the model's long-lived objects leave the collector's scans: shorter GC pauses,
+    # during which no thread (the liveness heartbeat included) can run
+    steps = range(0, cfg.steps)
     if cfg.resume:
-        ckpt = runio.check_resume(cfg.resume, cfg)
-        state = torch.load(os.path.join(ckpt, "state.pt"), map_location="cpu", weights_only=False)
-        job.start_step = state["step"]
-        if trainer is not None:  # rollout ranks get the weights from the leader's first publish
-            trainer.load_checkpoint_state(state)  # re-shards under FSDP
-            trainer.version = state["step"]
-        runio.set_rng_state(state["rng"])
+        from infra import rundir
+        steps = range(rundir.checkpoint_step(rundir.check_resume(cfg.resume, cfg)), cfg.steps)
+    r = Rank(cfg, rank, world, groups, store, tracer, policy,
+             params=[p for p in policy.transformer.parameters() if p.requires_grad],
+             reward_fn=rewards.build_reward(cfg.reward, config_lib.reward_options(cfg)), prompts=prompts,
+             eval_prompts=rewards.color_prompts("eval") if cfg.prompt_file is None else prompts[:min(len(prompts), 8)],
+             sampling=rollout.SamplingConfig(cfg.num_steps, cfg.noise_level, cfg.timestep_fraction, cfg.algo,
+                                             cfg.adv_clip),
+             queue=gap.FragmentQueue(dist.PrefixStore("queue", store), cfg.prompts_per_step) if store else None,
+             steps=steps)
+    try:
+        run_dir = rollout_rank(r) if groups.role == "rollout" else trainer_rank(r)
+    except BaseException as error:
+        if watch is not None:
+            watch.name_the_dead(error)
+        raise
 
-    run_dir, bar = None, None
-    if rank == groups.leader:
-        run_dir = runio.RunDir(run_path, config_lib.to_json(cfg), cfg.tensorboard, cfg.keep_checkpoints)
-        if cfg.resume:
-            run_dir.truncate_metrics(job.start_step)
-        print(f"[digenrl] run dir {run_path}\n[digenrl] config {json.dumps(dataclasses.asdict(cfg), sort_keys=True)}", flush=True)
-        if cfg.progress:
-            from tqdm import tqdm
-            bar = tqdm(total=cfg.steps, initial=job.start_step, desc=f"{cfg.model} {cfg.mode}", dynamic_ncols=True)
-    last = {"t": time.perf_counter()}
-
-    def on_step_end(step, metrics, trainer):
-        if rank != groups.leader and not cfg.fsdp:  # under FSDP, evaluation and checkpoint gathering are collectives
-            return
-        metrics.update(step_time_s=time.perf_counter() - last["t"], version=trainer.version)
-        scores = images = state = None
-        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
-            from rollout import evaluate
-            with tracer.span("eval", step=step):
-                scores, images = evaluate(policy, eval_prompts, sampling, reward_fn)
-        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
-            with tracer.span("checkpoint", step=step):
-                state = trainer.checkpoint_state()
-        if rank == groups.leader:
-            if scores is not None:
-                metrics["eval_reward"] = float(scores["total"].mean())
-                ext = "gif" if images.ndim == 5 else "png"
-                runio.save_image_grid(images, os.path.join(run_dir.path, "eval", f"step_{step + 1:06d}.{ext}"))
-            run_dir.log(step, metrics)
-            if state is not None:
-                with tracer.span("checkpoint", step=step):
-                    state.update(step=step + 1, rng=runio.rng_state(), identity=runio.identity(cfg),
-                                 config=dataclasses.asdict(cfg))
-                    lora = models.lora_state_for_diffusers(policy.transformer, state["weights"]) if cfg.lora else None
-                    run_dir.save_checkpoint(step + 1, state, lora, policy.family.pipeline_class())
-                run_dir.plot_rewards()
-        if bar is not None:
-            bar.update(1)
-            bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", tag=int(metrics["tag_fragments"]),
-                            stale=int(metrics["stale_fragments"]))
-        last["t"] = time.perf_counter()  # step_time_s excludes evaluation and checkpointing
-
-    job.on_step_end = on_step_end
-    if groups.role == "colocated":
-        runtime.run_colocated(job, trainer)
-    elif groups.is_trainer:
-        runtime.run_trainer(job, trainer)
-    else:
-        runtime.run_rollout(job, params)
-    if bar is not None:
-        bar.close()
-
-    spans = gather_spans(tracer, dst=groups.leader) if cfg.trace else None
+    # Shutdown: the loops have joined their background threads; only the main threads talk from here on.
+    spans = gather_spans(tracer, group=groups.world_data, dst=groups.leader) if cfg.trace else None
     if run_dir is not None:
         run_dir.plot_rewards()
         if spans is not None:
             write_chrome_trace(spans, os.path.join(run_dir.path, "trace.json"))
             write_timeline_png(spans, os.path.join(run_dir.path, "timeline.png"), title=f"{cfg.model} {cfg.mode}")
         print(f"[digenrl] done: {run_dir.path}", flush=True)
+    if use_cuda:
+        print(f"[digenrl] rank {rank} ({groups.role}) peak device memory "
+              f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB", flush=True)
     if world > 1:
-        dist.barrier()
+        watch.finishing()
+        dist.barrier(group=groups.world_data)
+        watch.stop()
         dist.destroy_process_group()
+
+
+def rollout_rank(r: Rank) -> None:
+    """A rollout rank: GAP streams its fragments; TCSS (--async) lets it generate ahead with a stale budget."""
+    import async_policy
+    import rollout
+
+    cfg, groups = r.cfg, r.groups
+    timing = r.prefixed("timing")
+    rollout.run_rollout_rank(
+        rank=r.rank, steps=r.steps, queue=r.queue, fragment_groups=cfg.fragment_groups, generate=r.generate,
+        mailbox=async_policy.Mailbox(groups.leader, groups.publish, like=r.params), params=r.params,
+        sender=rollout.Sender(groups.world_data, r.tracer),
+        destination_of=(lambda seq: groups.leader) if cfg.tsp  # TSP: the leader receives, then shares
+        else (lambda seq: groups.trainer_ranks[seq % groups.num_trainers]),  # else dealt round-robin
+        tracer=r.tracer, report_generation_s=lambda s, g: timing.set(f"gen/{r.rank}", f"{s / g}"),
+        stale_budget=async_policy.StaleBudget(r.prefixed("stale"), cfg.max_stale_fragments) if cfg.use_async else None)
+
+
+def trainer_rank(r: Rank):
+    """A trainer rank (disaggregated) or a colocated rank: the trainer, the mechanisms plugged in, the loop."""
+    import torch
+
+    import async_policy
+    import gap
+    import tag
+    import tsp
+    from infra import rundir
+    from rollout import evaluate, num_train_timesteps
+    from trainer import TrainConfig, Trainer, run_colocated_rank, run_trainer_rank, train_fragment
+
+    cfg, groups, policy, queue, tracer = r.cfg, r.groups, r.policy, r.queue, r.tracer
+    if cfg.fsdp:
+        _shard(policy, groups, keep_reference=cfg.beta > 0 and not cfg.lora)
+    trainer = Trainer(policy, TrainConfig(cfg.lr, cfg.weight_decay, 1e-8, cfg.clip_range, cfg.max_grad_norm, cfg.beta,
+                                          cfg.noise_level, cfg.algo, cfg.max_bad_steps, cfg.optimizer),
+                      compute_group=groups.compute, data_group=groups.trainer_data, sharded=cfg.fsdp)
+    if cfg.resume:  # rollout ranks take the weights from the leader's first publish
+        state = torch.load(os.path.join(rundir.check_resume(cfg.resume, cfg), "state.pt"), map_location="cpu",
+                           weights_only=False, mmap=True)  # mmap: each tensor is read when it is copied in
+        trainer.load_checkpoint_state(state)  # re-shards under FSDP
+        trainer.version = state["step"]
+        rundir.set_rng_state(state["rng"])
+        del state
+    k, me, leader = groups.num_trainers, groups.trainer_index, groups.is_leader
+    total_pairs = cfg.prompts_per_step * cfg.group_size * num_train_timesteps(r.sampling)
+    run_dir = _run_dir(cfg, r.steps) if leader else None
+    bar = _progress_bar(cfg, r.steps) if leader and cfg.progress else None
+    stale_budget = async_policy.StaleBudget(r.prefixed("stale"), cfg.max_stale_fragments) if cfg.use_async else None
+
+    # TAG: the leader decides and claims; every trainer generates its share of what the leader claimed.
+    assistant = None
+    if cfg.tag and leader:
+        timing = r.prefixed("timing")
+
+        def rollout_gen_s():  # a fragment of fragment_groups groups on a rollout rank, as they last reported
+            per_group = [float(timing.get(f"gen/{x}")) for x in groups.rollout_ranks if timing.check([f"gen/{x}"])]
+            return sum(per_group) / len(per_group) * cfg.fragment_groups if per_group else None
+        assistant = tag.Assistant(cfg.prompts_per_step, cfg.fragment_groups, len(groups.rollout_ranks), k,
+                                  unit=k if cfg.fsdp else 1, claim=queue.claim, claimed=queue.num_claimed,
+                                  announced_groups=queue.num_announced_groups, rollout_gen_s=rollout_gen_s)
+
+    def pairs_of(m: int, t_train: int):  # TSP: my share of the fragment's pairs, packed; else the per-timestep loop
+        if cfg.tsp:
+            return tsp.tsp_packs(m, t_train, me, k, cfg.tsp_pack)
+        packs = tsp.per_timestep_packs(m, t_train)
+        return packs, [[1.0] * len(p) for p in packs]
+
+    def train(fragment):
+        train_fragment(trainer, fragment, pairs_of=pairs_of, total_pairs=total_pairs, count=leader or not cfg.tsp,
+                       async_on=cfg.use_async, reward_names=r.reward_fn.names, tracer=tracer,
+                       on_trained=(lambda f, s: assistant.trained_groups(f.num_groups, s)) if assistant else None)
+
+    def receive(step: int, announcement) -> gap.Fragment:
+        with tracer.span("recv", step=step, first_group=announcement.first_group):
+            return gap.recv_fragment(announcement.producer, group=groups.world_data)
+
+    def fragments_of(step: int):
+        if not cfg.tsp:  # GAP without TSP: whole fragments dealt round-robin to the trainers
+            return gap.dealt_fragments(queue, step, cfg.prompts_per_step // cfg.fragment_groups, me, k,
+                                       lambda a: receive(step, a))
+        poll = lambda seq: queue.poll(step, seq) is not None  # noqa: E731
+        decide = assistant.next_command(step, poll, tsp.TRAIN, tsp.GENERATE) if assistant else tsp.wait_for_arrival(poll)
+
+        def next_command(next_seq, groups_done):
+            with tracer.span("wait", step=step, what="fragment"):
+                return decide(next_seq, groups_done)
+
+        def assist(first: int, count: int) -> gap.Fragment:  # TAG: runs on every trainer
+            start = time.perf_counter()
+            fragment = tag.assisted_generation(
+                first, count, k, me, generate=lambda f, c: r.generate(step, f, c, trainer.version, tag.TAG_PRODUCER),
+                share=lambda part, owner: gap.broadcast_fragment(part, groups.trainer_ranks[owner], groups.trainer_data),
+                concat=gap.concat_fragments)
+            if assistant:
+                assistant.generated_groups(step, count, time.perf_counter() - start)
+            return fragment
+
+        return tsp.lockstep_fragments(  # TSP: the trainer group moves in lockstep, the leader decides
+            cfg.prompts_per_step, leader, next_command,
+            share_command=lambda c: tsp.broadcast_command(c, groups.leader, groups.trainer_data),
+            receive=lambda seq: receive(step, queue.wait(step, seq)),
+            share_fragment=lambda f: gap.broadcast_fragment(f, groups.leader, groups.trainer_data), generate=assist)
+
+    def optimizer_step(step: int) -> dict:
+        with tracer.span("optimizer", step=step):
+            return trainer.step(r.reward_fn.names)
+
+    def publish(version: int) -> None:
+        """The leader broadcasts whole weights; under FSDP every trainer takes part in gathering each one."""
+        if version == async_policy.STOP:
+            if leader:
+                async_policy.publish([], 0, version, groups.leader, groups.publish)
+            return
+        if not (leader or cfg.fsdp):
+            return
+        with tracer.span("publish", version=version):
+            tensors = trainer.iter_full_weights()
+            if leader:
+                async_policy.publish(tensors, len(trainer.params), version, groups.leader, groups.publish)
+            else:
+                collections.deque(tensors, maxlen=0)  # take part in each gather, keep nothing
+
+    last = {"t": time.perf_counter()}
+
+    def end_step(step: int, metrics: dict) -> None:
+        """Log, evaluate and checkpoint (the leader; under FSDP evaluation and gathering are collectives)."""
+        metrics.update(step_time_s=time.perf_counter() - last["t"], version=trainer.version)
+        if leader or cfg.fsdp:
+            scores = images = state = None
+            if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+                with tracer.span("eval", step=step):
+                    scores, images = evaluate(policy, r.eval_prompts, r.sampling, r.reward_fn)
+            if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
+                with tracer.span("checkpoint", step=step):
+                    state = trainer.checkpoint_state(keep=leader)
+            if leader:
+                _leader_records(cfg, run_dir, policy, step, metrics, scores, images, state, tracer)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", tag=int(metrics["tag_fragments"]),
+                            stale=int(metrics["stale_fragments"]))
+        if leader and queue is not None and step >= 2:  # every rank is past step - 2 (rollout runs <= 1 ahead)
+            queue.forget(step - 2)
+            if stale_budget is not None:
+                stale_budget.forget(step - 2)
+        if assistant is not None:
+            assistant.forget(step)
+        tracer.mark_step(step)
+        last["t"] = time.perf_counter()  # step_time_s excludes evaluation and checkpointing
+
+    if groups.role == "colocated":
+        fragments = cfg.prompts_per_step // cfg.fragment_groups
+        run_colocated_rank(
+            trainer, steps=r.steps,
+            my_claims=lambda step: [(i * cfg.fragment_groups, cfg.fragment_groups)
+                                    for i in range(r.rank, fragments, r.world)],  # a static share
+            generate=lambda step, first, count, version: r.generate(step, first, count, version, r.rank),
+            train=train, optimizer_step=optimizer_step, end_step=end_step)
+    else:
+        run_trainer_rank(trainer, steps=r.steps, fragments_of=fragments_of, streaming=cfg.gap, train=train,
+                         optimizer_step=optimizer_step, publish=publish, end_step=end_step,
+                         before_publish=(lambda step: step + 1 < cfg.steps and assistant.consider(step + 1, 0))
+                         if assistant else None)
+    if bar is not None:
+        bar.close()
+    return run_dir
+
+
+def _run_dir(cfg, steps):
+    from infra import rundir
+
+    run_path = cfg.resume or os.path.join(cfg.out_dir, cfg.run_name or config_lib.default_run_name(cfg))
+    run_dir = rundir.RunDir(run_path, config_lib.to_json(cfg), cfg.tensorboard, cfg.keep_checkpoints)
+    if cfg.resume:
+        run_dir.truncate_metrics(steps.start)
+    print(f"[digenrl] run dir {run_path}\n[digenrl] config {json.dumps(dataclasses.asdict(cfg), sort_keys=True)}",
+          flush=True)
+    return run_dir
+
+
+def _leader_records(cfg, run_dir, policy, step, metrics, scores, images, state, tracer) -> None:
+    import models
+    from infra import rundir
+
+    if scores is not None:
+        metrics["eval_reward"] = float(scores["total"].mean())
+        ext = "gif" if images.ndim == 5 else "png"
+        rundir.save_image_grid(images, os.path.join(run_dir.path, "eval", f"step_{step + 1:06d}.{ext}"))
+    run_dir.log(step, metrics)
+    if state is not None:
+        with tracer.span("checkpoint", step=step):
+            state.update(step=step + 1, rng=rundir.rng_state(), identity=rundir.identity(cfg),
+                         config=dataclasses.asdict(cfg))
+            lora = models.lora_state_for_diffusers(policy.transformer, state["weights"]) if cfg.lora else None
+            run_dir.save_checkpoint(step + 1, state, lora, policy.family.pipeline_class())
+        run_dir.plot_rewards()
+
+
+def _name_process(name: str) -> None:
+    """Set this process's name (Linux, 15 characters) so operators can tell the ranks apart."""
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(name[:15])
+    except OSError:
+        pass
+
+
+def _progress_bar(cfg, steps):
+    from tqdm import tqdm
+    return tqdm(total=cfg.steps, initial=steps.start, desc=f"{cfg.model} {cfg.mode}", dynamic_ncols=True)
 
 
 def _all_linear_targets(transformer) -> list[str]:
@@ -167,7 +374,8 @@ def _all_linear_targets(transformer) -> list[str]:
 
 
 def _shard(policy, groups, keep_reference: bool) -> None:
-    """FSDP2 over the trainer group: each transformer block is a unit (gathered only while it runs), then the root."""
+    """FSDP2 over the trainers' compute group: each transformer block is a unit (gathered only while it
+    runs), then the root."""
     import torch
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -175,7 +383,7 @@ def _shard(policy, groups, keep_reference: bool) -> None:
     if keep_reference and policy.reference_transformer is None:  # full fine-tuning with KL: copy before sharding
         import copy
         policy.reference_transformer = copy.deepcopy(policy.transformer).requires_grad_(False)
-    mesh = DeviceMesh.from_group(groups.trainer, "cuda" if "cuda" in str(policy.device) else "cpu")
+    mesh = DeviceMesh.from_group(groups.compute, policy.device.type)
     # bf16 base + fp32 LoRA: gather and compute in the policy dtype, reduce gradients in fp32.
     mp = MixedPrecisionPolicy(param_dtype=policy.dtype, reduce_dtype=torch.float32)
     for name, module in policy.transformer.named_modules():
@@ -190,75 +398,6 @@ def _shard(policy, groups, keep_reference: bool) -> None:
 
 
 # --- launching ---------------------------------------------------------------------------------
-def role_of(cfg: config_lib.Config, rank: int, world: int) -> str:
-    if cfg.placement == "colocated" or world == 1:
-        return "colocated"
-    return "rollout" if rank < cfg.rollout_ranks else "trainer"
-
-
-def _spawned_entry(rank, world, port, cfg_dict, failures):
-    os.environ.setdefault("OMP_NUM_THREADS", str(cfg_dict["threads"]))
-    import faulthandler
-    faulthandler.enable()  # a rank that aborts in native code (SIGABRT/SIGSEGV) still prints its Python stack
-    try:
-        run_rank(config_lib.from_dict(cfg_dict), rank, world, rank, ("127.0.0.1", port), agent_store=False)
-    except BaseException as exc:
-        failures.put((time.time(), rank, f"{type(exc).__name__}: {exc}"))  # the launcher names the first failure
-        raise
-
-
-def _first_failure(procs, failures, cfg) -> str | None:
-    """Name the rank that failed first: a rank killed by SIGKILL, else the earliest reported exception."""
-    killed = [r for r, p in enumerate(procs) if p.exitcode == -9]
-    reports = []
-    while not failures.empty():
-        reports.append(failures.get())
-    if killed:
-        r = killed[0]
-        return f"rank {r} ({role_of(cfg, r, len(procs))}) was killed by signal 9"
-    if reports:
-        _, r, message = min(reports)
-        return f"rank {r} ({role_of(cfg, r, len(procs))}) failed: {message.splitlines()[0][:300]}"
-    dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-    if dead:
-        r, code = dead[0]
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        return f"rank {r} ({role_of(cfg, r, len(procs))}) {how}"
-    return None
-
-
-def launch(cfg: config_lib.Config) -> int:
-    """Spawn cfg.nproc ranks and watch them; returns the exit code (non-zero names the failed rank)."""
-    import socket
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    failures = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_spawned_entry, args=(r, cfg.nproc, port, dataclasses.asdict(cfg), failures))
-             for r in range(cfg.nproc)]
-    for p in procs:
-        p.start()
-    while all(p.exitcode in (None, 0) for p in procs) and any(p.is_alive() for p in procs):
-        time.sleep(0.05)
-    if any(p.exitcode not in (None, 0) for p in procs):
-        time.sleep(0.5)  # let the ranks that failed first report before we decide who it was
-        print(f"[digenrl] {_first_failure(procs, failures, cfg)}; stopping the other ranks", file=sys.stderr, flush=True)
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-        deadline = time.monotonic() + 10
-        for p in procs:
-            p.join(max(deadline - time.monotonic(), 0.1))
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-        return 1
-    return 0
-
-
 def prepare(argv=None) -> config_lib.Config:
     """Parse, resolve and validate; raises ValueError/FileNotFoundError with a clear message on bad input."""
     cfg = config_lib.resolve(config_lib.parse_args(argv))
@@ -287,7 +426,9 @@ def main(argv=None) -> int:
     if cfg.nproc == 1:
         run_rank(cfg, 0, 1, 0, ("127.0.0.1", 0), agent_store=False)
         return 0
-    return launch(cfg)
+    import comm
+    return launch(run_rank, dataclasses.asdict(cfg), cfg.nproc, threads=cfg.threads,
+                  role_of=lambda r: comm.role_of(cfg.placement, cfg.rollout_ranks, r, cfg.nproc))
 
 
 if __name__ == "__main__":

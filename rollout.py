@@ -1,15 +1,25 @@
-"""Rollout: generate one fragment (whole groups) -> SDE sampling, behaviour log-probs, decode, reward, advantages.
+"""Rollout: generate one fragment (whole groups) -> SDE sampling, behaviour log-probs, decode, reward, advantages;
+and the rollout rank's loop.
 
 `generate_fragment` is the one generation path, used by rollout ranks, by colocated ranks and by an
 idle trainer under TAG, so every producer makes the same trajectories from the same FragmentSpec.
-`run_rollout_worker` is the rollout rank's loop in the disaggregated placement (DESIGN.md section 4).
+`run_rollout_rank` is the rollout rank in the disaggregated placement (docs/DESIGN.md section 4): per
+step, wait for the step's weights, then claim, generate and stream fragments (GAP, gap.produce), and
+with TCSS generate ahead into the next step (async_policy.generate_ahead). Fragments leave through a
+background sender thread, so the next generation starts at once.
 """
 from __future__ import annotations
 
 import dataclasses
+import queue as queue_lib
+import threading
+import time
+from collections.abc import Callable
 
 import torch
 
+import async_policy
+import gap
 import grpo
 from gap import Fragment, FragmentSpec
 
@@ -89,7 +99,7 @@ def generate_fragment(policy, spec: FragmentSpec, prompts: list[str], cfg: Sampl
     advantages = grpo.group_advantages(total, spec.group_size, clip=cfg.adv_clip)  # [m]
     cpu = lambda t: t.detach().to("cpu")  # noqa: E731  (fragments travel and wait on the host)
     return Fragment(
-        step=spec.step, index=spec.index, policy_version=version, producer=producer, group_size=spec.group_size,
+        step=spec.step, first_group=spec.first_group, policy_version=version, producer=producer, group_size=spec.group_size,
         prompt_ids=torch.tensor(spec.prompt_ids, dtype=torch.long),
         cond={k: cpu(v) for k, v in cond.items()},
         latents=cpu(x_t), next_latents=cpu(x_next), timestep_index=t_idx,
@@ -106,3 +116,68 @@ def evaluate(policy, prompts: list[str], cfg: SamplingConfig, reward_fn, seed: i
     final, _ = sample_trajectories(policy, cond, seeds, seeds, det)
     images = policy.decode(final)
     return reward_fn(images, prompts), images
+
+
+# --- the rollout rank ------------------------------------------------------------------------------
+class Sender:
+    """A background thread that sends finished fragments (gloo, CPU tensors, a group no other thread uses
+    meanwhile), so generation of the next one starts at once."""
+
+    def __init__(self, group, tracer):
+        self.group, self.tracer, self.items, self.error = group, tracer, queue_lib.Queue(), None
+        self.thread = threading.Thread(target=self._run, name="fragment-sender", daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        try:
+            while (item := self.items.get()) is not None:
+                fragment, dst = item
+                with self.tracer.span("send", step=fragment.step, first_group=fragment.first_group):
+                    gap.send_fragment(fragment, dst, group=self.group)
+        except BaseException as exc:  # noqa: BLE001  (re-raised on the main thread)
+            self.error = exc
+
+    def _raise_if_failed(self):
+        if self.error is not None:
+            raise RuntimeError(f"fragment sender failed: {self.error}") from self.error
+
+    def put(self, fragment: Fragment, dst: int) -> None:
+        self._raise_if_failed()
+        self.items.put((fragment, dst))
+
+    def close(self) -> None:
+        """Send what is queued, then stop. No deadline: each send completes when its trainer receives it,
+        and a dead trainer ends the job through liveness."""
+        self.items.put(None)
+        self.thread.join()
+        self._raise_if_failed()
+
+
+def run_rollout_rank(*, rank: int, steps: range, queue: gap.FragmentQueue, fragment_groups: int,
+                     generate: Callable[[int, int, int, int, int], Fragment], mailbox: async_policy.Mailbox,
+                     params: list[torch.Tensor], sender: Sender, destination_of: Callable[[int], int], tracer,
+                     report_generation_s: Callable[[float, int], None],
+                     stale_budget: async_policy.StaleBudget | None = None) -> None:
+    """The rollout rank: batch k with weights version k, streamed fragment by fragment (GAP); with a
+    stale budget (TCSS), fragments of batch k + 1 with version k while version k + 1 is on its way."""
+
+    def produce(step: int, claimed: tuple[int, int], ahead: bool) -> None:
+        version = mailbox.held_version
+        async_policy.check_staleness(step, version, async_on=ahead)  # on-policy unless generated ahead
+        start = time.perf_counter()
+        fragment = generate(step, claimed[0], claimed[1], version, rank)
+        report_generation_s(time.perf_counter() - start, claimed[1])  # for TAG's predictor
+        _, dst = queue.announce(step, fragment.first_group, fragment.num_groups, rank, destination_of)
+        sender.put(fragment, dst)
+
+    for step in steps:
+        with tracer.span("wait", step=step, what="weights"):
+            mailbox.wait_for(step)
+        for claimed in gap.claims(queue, step, fragment_groups, before_each=lambda: mailbox.swap_into(params)):
+            produce(step, claimed, False)  # new weights are swapped in only between fragments
+        if stale_budget is not None:  # TCSS: batch `step` is fully claimed
+            async_policy.generate_ahead(step, steps.stop - 1, mailbox.latest_version, stale_budget.take,
+                                        claim=lambda s: queue.claim(s, fragment_groups),
+                                        produce=lambda s, c: produce(s, c, True))
+    sender.close()
+    mailbox.join()

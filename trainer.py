@@ -1,20 +1,28 @@
-"""Trainer: loss over (sample, timestep) pairs, gradient accumulation, clipping, AdamW, one step per batch.
+"""Trainer: loss over (sample, timestep) pairs, gradient accumulation, clipping, AdamW, one step per batch;
+and the trainer rank's loop and the colocated rank's loop.
 
-Every pair carries weight 1/(N T_train) (DESIGN.md section 3), so whichever rank trains whichever
-pair, in whatever packing and order, the summed gradient is the full-batch mean's gradient. The
-placement code (runtime.py) decides which pairs this rank trains; this file only trains them.
+Every pair carries weight 1/(N T_train) (docs/DESIGN.md section 3), so whichever rank trains whichever
+pair, in whatever packing and order, the summed gradient is the full-batch mean's gradient. Which
+fragments reach this rank and which of their pairs it trains is decided by the mechanisms main.py
+plugs in (gap.consume, tsp.lockstep_fragments / gap.dealt_fragments, tag.Assistant); this file trains.
+Gradients are summed on the compute plane (comm.py: device tensors, main thread); metrics go over
+the trainers' data group (gloo, CPU).
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
+import async_policy
+import gap
 import grpo
+import tag
 from rollout import step_fn
-from tag import RunningMean
 from tsp import gather_pairs
 
 
@@ -29,6 +37,7 @@ class TrainConfig:
     noise_level: float = 0.7
     algo: str = "flow_grpo"
     max_bad_steps: int = 3
+    optimizer: str = "adamw"  # or "sgd": plain gradient descent, the update is exactly -lr x gradient
 
 
 class MetricSums:
@@ -65,33 +74,52 @@ class MetricSums:
 
 
 class Trainer:
-    def __init__(self, policy, cfg: TrainConfig, group=None, comm_device="cpu", sharded: bool = False):
-        self.policy, self.cfg, self.group, self.comm_device, self.sharded = policy, cfg, group, comm_device, sharded
+    def __init__(self, policy, cfg: TrainConfig, compute_group=None, data_group=None, sharded: bool = False):
+        self.policy, self.cfg, self.sharded = policy, cfg, sharded
+        self.compute_group, self.data_group = compute_group, data_group  # comm.py's two planes
         trainable = [(n, p) for n, p in policy.transformer.named_parameters() if p.requires_grad]
         self.names, self.params = [n for n, _ in trainable], [p for _, p in trainable]
         if not self.params:
             raise ValueError("the transformer has no trainable parameters")
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
+        if cfg.optimizer == "sgd":
+            self.optimizer = torch.optim.SGD(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        else:
+            self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
         self.step_fn = step_fn(cfg.algo)
         self.version = 0  # the weights version this trainer holds (= optimizer steps taken)
         self.bad_steps_in_a_row = 0
         self.metrics = MetricSums()
-        # TAG's running estimates (seconds per fragment) and how many fragments it generated per step.
-        self.tag_estimates = {"gen_rollout": RunningMean(1.0), "gen_trainer": RunningMean(1.0), "train": RunningMean(0.0)}
-        self.assisted: dict[int, int] = {}
 
     # --- whole weights (FSDP shards are gathered: a collective, so every trainer calls these) ---------
-    def full_weights(self) -> list[torch.Tensor]:
-        """The trainable weights as whole tensors, in `self.params` order (all-gathered when sharded)."""
-        with torch.no_grad():
-            return [p.full_tensor() if _is_sharded(p) else p.detach() for p in self.params]
+    def iter_full_weights(self) -> Iterable[torch.Tensor]:
+        """The trainable weights as whole tensors, in `self.params` order, gathered one at a time when
+        sharded (a compute-plane collective: every trainer iterates, in the same order)."""
+        for p in self.params:
+            with torch.no_grad():
+                yield p.full_tensor() if _is_sharded(p) else p.detach()
 
-    def checkpoint_state(self) -> dict:
-        """{"weights": name -> CPU tensor, "optimizer": state dict with whole CPU tensors}: same format sharded or not."""
-        weights = {n: w.cpu() for n, w in zip(self.names, self.full_weights())}
+    def checkpoint_state(self, keep: bool = True) -> dict | None:
+        """{"weights": name -> CPU tensor, "optimizer": state dict with whole CPU tensors}: the same format
+        sharded or not. Gathered one tensor at a time; only a rank with `keep` (the leader, which writes
+        the file) holds the result, so the others never hold more than one whole tensor beyond their shard."""
+        weights, gathered = {}, self.iter_full_weights()
+        for name in self.names:  # not zip/enumerate: their reused result tuple would keep the last tensor alive
+            whole = next(gathered)
+            if keep:
+                weights[name] = whole.to("cpu")
+            del whole
         optimizer = self.optimizer.state_dict()
-        optimizer["state"] = {i: {k: (v.full_tensor() if _is_sharded(v) else v).cpu() for k, v in s.items()}
-                              for i, s in optimizer["state"].items()}
+        state = {}
+        for i, entry in optimizer["state"].items():
+            state[i] = {}
+            for k, v in entry.items():
+                whole = v.full_tensor() if _is_sharded(v) else v
+                if keep:
+                    state[i][k] = whole.to("cpu")
+                del whole
+        if not keep:
+            return None
+        optimizer["state"] = state
         return {"weights": weights, "optimizer": optimizer, "bad_steps_in_a_row": self.bad_steps_in_a_row}
 
     def load_checkpoint_state(self, state: dict) -> None:
@@ -128,10 +156,8 @@ class Trainer:
 
     def accumulate(self, fragment, packs, masks, total_pairs: int) -> None:
         """Forward+backward over this rank's packs of a fragment; gradients add into .grad."""
-        staleness = self.version - fragment.policy_version
-        assert staleness in (0, 1), f"fragment {fragment.index} of step {fragment.step} has staleness {staleness}: only 0 or 1 is allowed"
-        stale = staleness == 1
-        tag = "stale" if stale else "fresh"
+        stale = async_policy.check_staleness(self.version, fragment.policy_version, async_on=True) == 1
+        kind = "stale" if stale else "fresh"
         for pack, mask in zip(packs, masks):
             batch = gather_pairs(fragment, pack)
             mask_t = torch.tensor(mask, dtype=torch.float32, device=self.policy.device)  # [p]
@@ -144,14 +170,14 @@ class Trainer:
             m = self.metrics
             m.add("loss", loss.detach())
             m.add("pairs", real)
-            m.add(f"pairs_{tag}", real)
+            m.add(f"pairs_{kind}", real)
             for k in ("approx_kl", "clipfrac", "ratio_mean") + (("kl",) if "kl" in stats else ()):
                 m.add(k, stats[k] * real)
-            m.add(f"ratio_mean_{tag}", stats["ratio_mean"] * real)
+            m.add(f"ratio_mean_{kind}", stats["ratio_mean"] * real)
             m.low("ratio_min", stats["ratio_min"]); m.high("ratio_max", stats["ratio_max"])  # noqa: E702
-            m.low(f"ratio_min_{tag}", stats["ratio_min"]); m.high(f"ratio_max_{tag}", stats["ratio_max"])  # noqa: E702
-            gap = ((logp - batch["old_log_prob"].to(logp.device)).abs() * mask_t).sum()
-            m.add("logprob_gap", gap)  # |trainer log-prob - rollout log-prob|: numerics, or staleness
+            m.low(f"ratio_min_{kind}", stats["ratio_min"]); m.high(f"ratio_max_{kind}", stats["ratio_max"])  # noqa: E702
+            logprob_gap = ((logp - batch["old_log_prob"].to(logp.device)).abs() * mask_t).sum()
+            m.add("logprob_gap", logprob_gap)  # |trainer log-prob - rollout log-prob|: numerics, or staleness
 
     def count_fragment(self, fragment, reward_names: list[str]) -> None:
         """Reward and staleness metrics of a fragment (call on exactly one trainer per fragment)."""
@@ -162,7 +188,7 @@ class Trainer:
         m.add("staleness_sum", n * staleness)
         m.add("fragments", 1)
         m.add("stale_fragments", int(staleness > 0))
-        m.add("tag_fragments", int(fragment.producer == -2))
+        m.add("tag_fragments", int(fragment.producer == tag.TAG_PRODUCER))
         r = fragment.rewards.to(torch.float64)
         m.add("reward_sum", r.sum()); m.add("reward_sq", (r**2).sum())  # noqa: E702
         for i, name in enumerate(reward_names):
@@ -174,19 +200,11 @@ class Trainer:
 
     # --- the optimizer step --------------------------------------------------------------------
     def step(self, reward_names: list[str]) -> dict[str, float]:
-        """All-reduce gradients (sum) over the trainer group, clip, AdamW step; returns the step metrics."""
-        if not self.sharded and self.group is not None and dist.get_world_size(self.group) > 1:
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
-            flat = flat.to(self.comm_device)
-            dist.all_reduce(flat, group=self.group)
-            offset = 0
-            for p in self.params:
-                n = p.numel()
-                p.grad = flat[offset:offset + n].view_as(p).to(p.device, p.dtype)
-                offset += n
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
+        """Sum gradients over the trainers, clip the global norm, AdamW step; returns the step metrics."""
+        self.all_reduce_gradients()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)  # the global norm
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        self.metrics.reduce(self.group)
+        self.metrics.reduce(self.data_group)
         finite = math.isfinite(grad_norm) and math.isfinite(self.metrics.sums.get("loss", 0.0))
         if finite:
             self.optimizer.step()
@@ -204,6 +222,20 @@ class Trainer:
         return out
 
 
+    def all_reduce_gradients(self) -> None:
+        """Compute plane: one flat all-reduce (sum) of every gradient, on the policy device, main thread.
+        Under FSDP the gradients are reduce-scattered during backward instead."""
+        if self.sharded or self.compute_group is None or dist.get_world_size(self.compute_group) == 1:
+            return
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                          for p in self.params])  # [total numel] on the policy device
+        dist.all_reduce(flat, group=self.compute_group)
+        offset = 0
+        for p in self.params:
+            p.grad = flat[offset:offset + p.numel()].view_as(p).to(p.dtype)
+            offset += p.numel()
+
+
 def summarize(m: MetricSums, reward_names: list[str]) -> dict[str, float]:
     s = m.sums
     pairs, traj = max(s.get("pairs", 0.0), 1.0), max(s.get("trajectories", 0.0), 1.0)
@@ -213,10 +245,10 @@ def summarize(m: MetricSums, reward_names: list[str]) -> dict[str, float]:
             out[k] = s[k] / pairs
     out["logprob_gap"] = s.get("logprob_gap", 0.0) / pairs
     out["ratio_min"], out["ratio_max"] = m.mins.get("ratio_min", 1.0), m.maxs.get("ratio_max", 1.0)
-    for tag in ("fresh", "stale"):
-        if s.get(f"pairs_{tag}", 0) > 0:
-            out[f"ratio_mean_{tag}"] = s[f"ratio_mean_{tag}"] / s[f"pairs_{tag}"]
-            out[f"ratio_min_{tag}"], out[f"ratio_max_{tag}"] = m.mins[f"ratio_min_{tag}"], m.maxs[f"ratio_max_{tag}"]
+    for kind in ("fresh", "stale"):
+        if s.get(f"pairs_{kind}", 0) > 0:
+            out[f"ratio_mean_{kind}"] = s[f"ratio_mean_{kind}"] / s[f"pairs_{kind}"]
+            out[f"ratio_min_{kind}"], out[f"ratio_max_{kind}"] = m.mins[f"ratio_min_{kind}"], m.maxs[f"ratio_max_{kind}"]
     mean = s.get("reward_sum", 0.0) / traj
     out["reward_mean"] = mean
     out["reward_std"] = max(s.get("reward_sq", 0.0) / traj - mean**2, 0.0) ** 0.5
@@ -244,3 +276,49 @@ def _like(whole: torch.Tensor, param) -> torch.Tensor:
         from torch.distributed.tensor import distribute_tensor
         return distribute_tensor(whole.to(param.device, param.dtype), param.device_mesh, param.placements)
     return whole.to(param.device, param.dtype)
+
+
+# --- the rank loops ----------------------------------------------------------------------------------
+def train_fragment(trainer: Trainer, fragment: gap.Fragment, *, pairs_of: Callable, total_pairs: int, count: bool,
+                   async_on: bool, reward_names: list[str], tracer, on_trained: Callable | None = None) -> None:
+    """Train this rank's share of a fragment: pairs_of(m, T_train) -> (packs, masks) is TSP's share or the
+    per-timestep loop. `count` on exactly one trainer per fragment (its rewards enter the metrics once)."""
+    async_policy.check_staleness(trainer.version, fragment.policy_version, async_on)  # the TCSS bound
+    if count:
+        trainer.count_fragment(fragment, reward_names)
+    packs, masks = pairs_of(*fragment.latents.shape[:2])
+    start = time.perf_counter()
+    with tracer.span("train", step=fragment.step, first_group=fragment.first_group):
+        trainer.accumulate(fragment.to(trainer.policy.device), packs, masks, total_pairs)
+    if on_trained is not None:
+        on_trained(fragment, time.perf_counter() - start)
+
+
+def run_trainer_rank(trainer: Trainer, *, steps: range, fragments_of: Callable[[int], Iterable[gap.Fragment]],
+                     streaming: bool, train: Callable[[gap.Fragment], None], optimizer_step: Callable[[int], dict],
+                     publish: Callable[[int], None], end_step: Callable[[int, dict], None],
+                     before_publish: Callable[[int], None] | None = None) -> None:
+    """A trainer rank of the disaggregated placement: per step, train the fragments as they arrive (GAP)
+    or after the whole batch, one optimizer step, publish the new weights, then log/evaluate/checkpoint
+    (after publishing, so the rollout ranks are not kept waiting)."""
+    publish(trainer.version)  # version 0, or the resumed one: rollout ranks take their first weights from it
+    for step in steps:
+        gap.consume(fragments_of(step), train, streaming)
+        metrics = optimizer_step(step)
+        if before_publish is not None:
+            before_publish(step)  # TAG: take a share of the next batch before the rollout ranks claim it all
+        publish(trainer.version)
+        end_step(step, metrics)
+    publish(async_policy.STOP)
+
+
+def run_colocated_rank(trainer: Trainer, *, steps: range, my_claims: Callable[[int], list[tuple[int, int]]],
+                       generate: Callable[[int, int, int, int], gap.Fragment], train: Callable[[gap.Fragment], None],
+                       optimizer_step: Callable[[int], dict], end_step: Callable[[int, dict], None]) -> None:
+    """A colocated rank (Flow-GRPO / veRL-Omni style): generate its static share of the batch, train it,
+    then one optimizer step with gradients summed over every rank."""
+    for step in steps:
+        fragments = [generate(step, first, count, trainer.version) for first, count in my_claims(step)]
+        for fragment in fragments:
+            train(fragment)
+        end_step(step, optimizer_step(step))

@@ -14,15 +14,23 @@ not divide m * T_train) repeat a real pair with weight 0, so they cost compute b
 Departures from the paper: pairs are dealt round-robin (rank r gets pairs r, r+K, ...) rather than
 by contiguous timestep ranges, which balances high- and low-noise steps across ranks.
 
+The protocol (`lockstep_fragments`): under TSP the trainer group moves in lockstep. The leader decides
+what the group does next (train the next announced fragment, or, with TAG, generate groups it
+claimed), broadcasts that small command over the trainers' data group, and every trainer gets the
+same fragment (the leader receives it and broadcasts it), then trains its own share of its pairs.
+
 Try it: `python main.py --placement disaggregated --gap --tsp --tsp-pack 4`. Without `--tsp`, whole
 fragments are dealt to trainers and trained with the per-timestep loop (`per_timestep_packs`).
-Only torch is imported: this file can be copied into another codebase as it is.
+Only torch and the standard library are imported: this file can be copied into another codebase.
 """
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 
 Pair = tuple[int, int]  # (sample index in the fragment, trained-timestep slot)
 
@@ -71,3 +79,47 @@ def gather_pairs(fragment, pairs: list[Pair]) -> dict[str, torch.Tensor]:
 def num_passes(num_samples: int, num_train_timesteps: int, world: int, pack: int) -> int:
     """Forward/backward passes each trainer runs per fragment under TSP (the same on every rank)."""
     return math.ceil(math.ceil(num_samples * num_train_timesteps / world) / pack)
+
+
+# --- the lockstep protocol of the trainer group --------------------------------------------------
+TRAIN, GENERATE = 0, 1  # commands: train announced fragment `a`; generate groups [a, a + b) (TAG)
+
+
+def broadcast_command(command: tuple[int, int, int] | None, src: int, group) -> tuple[int, int, int]:
+    """The leader's (kind, a, b) to every trainer (data plane: a CPU tensor on a gloo group)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return command
+    message = torch.tensor(command if command is not None else (0, 0, 0), dtype=torch.int64)
+    dist.broadcast(message, src=src, group=group)
+    return tuple(int(x) for x in message)
+
+
+def wait_for_arrival(poll: Callable[[int], bool], poll_s: float = 0.001) -> Callable[[int, int], tuple[int, int, int]]:
+    """The leader's decision without TAG: wait (no deadline) until announcement `next_seq` exists."""
+    def next_command(next_seq: int, groups_done: int) -> tuple[int, int, int]:
+        while not poll(next_seq):
+            time.sleep(poll_s)
+        return TRAIN, next_seq, 0
+    return next_command
+
+
+def lockstep_fragments(groups_per_step: int, is_leader: bool,
+                       next_command: Callable[[int, int], tuple[int, int, int]],
+                       share_command: Callable[[tuple | None], tuple[int, int, int]],
+                       receive: Callable[[int], object], share_fragment: Callable[[object], object],
+                       generate: Callable[[int, int], object]) -> Iterator:
+    """Every trainer iterates the same fragments of one step, in the same order, until all groups are in.
+
+    next_command(next_seq, groups_done) runs on the leader only (it may wait); receive(seq) is the
+    leader's receive of announced fragment `seq`; share_fragment broadcasts the leader's copy to the
+    group; generate(first_group, num_groups) is TAG's assisted generation, run by every trainer."""
+    next_seq, groups_done = 0, 0
+    while groups_done < groups_per_step:
+        kind, a, b = share_command(next_command(next_seq, groups_done) if is_leader else None)
+        if kind == TRAIN:
+            fragment = share_fragment(receive(a) if is_leader else None)
+            next_seq += 1
+        else:
+            fragment = generate(a, b)
+        groups_done += fragment.num_groups
+        yield fragment

@@ -116,6 +116,8 @@ class RunDir:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
         torch.save(state, os.path.join(tmp, "state.pt"))
+        with open(os.path.join(tmp, "meta.json"), "w") as f:  # what --resume checks, without loading state.pt
+            json.dump({"step": state["step"], "identity": state["identity"]}, f)
         if lora_layers is not None:
             pipeline_class.save_lora_weights(tmp, transformer_lora_layers=lora_layers)
         for name in os.listdir(tmp):
@@ -144,6 +146,20 @@ def identity(cfg) -> dict:
     return {k: getattr(cfg, k) for k in IDENTITY_FIELDS}
 
 
+def _meta(checkpoint: str) -> dict:
+    """{"step", "identity"} of a checkpoint: meta.json, or (older checkpoints) state.pt memory-mapped."""
+    path = os.path.join(checkpoint, "meta.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            return json.load(f)
+    state = torch.load(os.path.join(checkpoint, "state.pt"), map_location="cpu", weights_only=False, mmap=True)
+    return {"step": state["step"], "identity": state["identity"]}
+
+
+def checkpoint_step(checkpoint: str) -> int:
+    return int(_meta(checkpoint)["step"])
+
+
 def check_resume(run_path: str, cfg) -> str:
     """The last checkpoint of `run_path`, after checking it belongs to the same model and LoRA config."""
     if not os.path.isdir(run_path):
@@ -151,14 +167,11 @@ def check_resume(run_path: str, cfg) -> str:
     ckpts = list_checkpoints(run_path)
     if not ckpts:
         raise ValueError(f"--resume {run_path!r} has no complete checkpoint under checkpoints/")
-    meta_path = os.path.join(ckpts[-1], "identity.json")
-    state = torch.load(os.path.join(ckpts[-1], "state.pt"), map_location="cpu", weights_only=False)
-    theirs, ours = state["identity"], identity(cfg)
+    theirs, ours = _meta(ckpts[-1])["identity"], identity(cfg)
     diff = {k: (theirs.get(k), ours[k]) for k in ours if theirs.get(k) != ours[k]}
     if diff:
         raise ValueError(f"checkpoint {ckpts[-1]!r} was made with a different model or LoRA config: "
                          + ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items()))
-    del meta_path
     return ckpts[-1]
 
 

@@ -8,7 +8,7 @@ import time
 import pytest
 
 import main
-from conftest import ROOT, read_metrics, run_main
+from conftest import ROOT, rank_pids, read_metrics, run_main
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -116,17 +116,12 @@ def test_killing_a_rank_ends_the_job_with_a_message_naming_it(victim, tiny_cache
             assert proc.poll() is None, proc.stderr.read()
             assert time.monotonic() < deadline, "the job never got going"
             time.sleep(0.2)
-        pids = {}
-        for name in os.listdir(tmp_path / "job" / "pids"):
-            pid, role = (tmp_path / "job" / "pids" / name).read_text().split()
-            pids.setdefault(role, []).append((name, int(pid)))
-        rank_file, pid = sorted(pids[victim])[0]
+        rank, (pid, _) = min((r, v) for r, v in rank_pids(proc.pid, 3).items() if v[1] == victim)
         os.kill(pid, signal.SIGKILL)
         killed_at = time.monotonic()
         _, err = proc.communicate(timeout=60)
         assert time.monotonic() - killed_at < 30
         assert proc.returncode != 0
-        rank = rank_file[len("rank"):-len(".pid")]
         assert f"rank {rank} ({victim}) was killed by signal 9" in err
     finally:
         if proc.poll() is None:

@@ -121,7 +121,7 @@ def test_rollout_and_training_batches_carry_true_cfg(name, tiny_cache):
     hook = policy.transformer.register_forward_pre_hook(record, with_kwargs=True)
     try:
         prompts = rewards.color_prompts("train")
-        spec = gap.fragment_spec(0, 0, 0, len(prompts), 1, 2, 1)
+        spec = gap.fragment_spec(0, 0, 0, 1, len(prompts), 1, 2)
         fragment = generate_fragment(policy, spec, prompts, SamplingConfig(num_steps=2), rewards.build_reward("color"), 0, 0)
         trainer = Trainer(policy, TrainConfig())
         packs = tsp.per_timestep_packs(*fragment.latents.shape[:2])

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.timeout(120)
 def _fragment():
     g = torch.Generator().manual_seed(0)
     m, t = 4, 3
-    return gap.Fragment(step=7, index=2, policy_version=6, producer=0, group_size=2,
+    return gap.Fragment(step=7, first_group=2, policy_version=6, producer=0, group_size=2,
                         prompt_ids=torch.tensor([1, 1, 0, 0]), cond={"b": torch.randn(m, 5, 3, generator=g),
                                                                     "a": torch.randn(m, 2, generator=g).bfloat16()},
                         latents=torch.randn(m, t, 8, 4, generator=g), next_latents=torch.randn(m, t, 8, 4, generator=g),
@@ -44,10 +44,10 @@ def _worker(rank, world, port, results):
         _same(gap.recv_fragment(src=0), frag)
     got = gap.broadcast_fragment(frag if rank == 2 else None, src=2)
     _same(got, frag)
-    queue = gap.FragmentQueue(dist.PrefixStore("queue", store), fragments_per_step=25, timeout_s=30)
+    queue = gap.FragmentQueue(dist.PrefixStore("queue", store), groups_per_step=25)
     claimed = []
-    while (index := queue.claim(0)) is not None:
-        claimed.append(index)
+    while (claim := queue.claim(0, 1)) is not None:
+        claimed.append(claim[0])
     results.put((rank, claimed))
     dist.barrier()
     dist.destroy_process_group()
@@ -74,11 +74,11 @@ def test_round_trip_broadcast_and_unique_claims():
 
 
 def test_fragment_specs_are_deterministic_and_whole_groups():
-    a = gap.fragment_spec(1, 4, 2, num_prompts_total=5, prompts_per_step=6, group_size=3, fragment_groups=2)
-    b = gap.fragment_spec(1, 4, 2, num_prompts_total=5, prompts_per_step=6, group_size=3, fragment_groups=2)
+    a = gap.fragment_spec(1, 4, 4, 2, num_prompts_total=5, groups_per_step=6, group_size=3)
+    b = gap.fragment_spec(1, 4, 4, 2, num_prompts_total=5, groups_per_step=6, group_size=3)
     assert a == b and len(a.prompt_ids) == 6
     assert a.prompt_ids[0] == a.prompt_ids[2] and len(set(a.noise_seeds)) == 6
-    dance = gap.fragment_spec(1, 4, 2, 5, 6, 3, 2, shared_group_noise=True)
+    dance = gap.fragment_spec(1, 4, 4, 2, 5, 6, 3, shared_group_noise=True)
     assert dance.init_seeds[0] == dance.init_seeds[2] != dance.init_seeds[3]
     with pytest.raises(ValueError, match="must divide"):
         gap.num_fragments(6, 4)

@@ -20,7 +20,7 @@ import gap
 import main
 import rewards
 from infra import rundir as runio
-from conftest import ROOT, checkpoint_weights, read_metrics, run_main
+from conftest import ROOT, checkpoint_weights, rank_pids, read_metrics, run_main
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -166,8 +166,8 @@ def poisoning_seed() -> int:
     """The first seed whose prompt order puts the poison prompt in step POISONED_STEP and no other."""
     poison = PROMPTS.index("poison")
     for seed in range(10_000):
-        hit = [any(poison in gap.fragment_spec(seed, step, i, len(PROMPTS), PROMPTS_PER_STEP, 3, 1).prompt_ids
-                   for i in range(PROMPTS_PER_STEP)) for step in range(STEPS)]
+        hit = [poison in gap.fragment_spec(seed, step, 0, PROMPTS_PER_STEP, len(PROMPTS), PROMPTS_PER_STEP, 3).prompt_ids
+               for step in range(STEPS)]
         if hit == [step == POISONED_STEP for step in range(STEPS)]:
             return seed
     raise AssertionError("no seed poisons exactly one step")
@@ -226,12 +226,6 @@ def test_always_nan_reward_aborts_after_max_bad_steps(setup):
     assert len(rows) < STEPS and all(r["skipped_step"] == 1 for r in rows)
 
 
-def _pids(run) -> list[int]:
-    """Rank pids from run/pids/rank*.pid ("pid role")."""
-    folder = run / "pids"
-    return [int((folder / name).read_text().split()[0]) for name in sorted(os.listdir(folder))]
-
-
 def _wait_dead(pid: int, timeout_s: float = 10.0) -> None:
     """Until `pid` is gone or a zombie (a SIGKILLed orphan may wait for its reaper)."""
     deadline = time.monotonic() + timeout_s
@@ -281,7 +275,7 @@ def test_sigkill_at_a_random_moment_then_resume_matches_the_uninterrupted_run(se
         delay = rng.random() * step_time
         time.sleep(delay)
         assert launcher.poll() is None, f"the run ended before the kill (seed {seed}, delay {delay:.3f}s)"
-        pids = _pids(run)
+        pids = [pid for pid, _ in rank_pids(launcher.pid, 2).values()]
         launcher.kill()  # first, so that it cannot react to its ranks dying
         for pid in pids:
             os.kill(pid, signal.SIGKILL)

@@ -23,8 +23,8 @@ def setup(tiny_cache):
     sampling = SamplingConfig(num_steps=4, noise_level=0.7)
     reward = rewards.build_reward("color")
     prompts = rewards.color_prompts("train")
-    spec = gap.fragment_spec(seed=0, step=0, index=0, num_prompts_total=3, prompts_per_step=2, group_size=3,
-                             fragment_groups=2)
+    spec = gap.fragment_spec(seed=0, step=0, first_group=0, num_groups=2, num_prompts_total=3, groups_per_step=2,
+                             group_size=3)
     fragment = generate_fragment(policy, spec, prompts, sampling, reward, version=0, producer=0)
     return policy, sampling, reward, prompts, spec, fragment
 
@@ -76,7 +76,7 @@ def test_same_fragment_same_trajectories_whoever_generates_it(setup):
     for k, v in fragment.tensors().items():
         assert torch.equal(v, again.tensors()[k]), k
     # a sub-fragment of one group (TAG with K > 1 splits a fragment by groups) gives the same rows
-    half = gap.FragmentSpec(spec.step, spec.index, spec.prompt_ids[:3], spec.init_seeds[:3], spec.noise_seeds[:3], 3)
+    half = gap.FragmentSpec(spec.step, spec.first_group, spec.prompt_ids[:3], spec.init_seeds[:3], spec.noise_seeds[:3], 3)
     part = generate_fragment(policy, half, prompts, sampling, reward, version=0, producer=5)
     torch.testing.assert_close(part.latents, fragment.latents[:3], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(part.log_probs, fragment.log_probs[:3], rtol=1e-5, atol=1e-6)
@@ -99,7 +99,7 @@ def test_tag_generation_leaves_params_grads_and_optimizer_state_bit_identical(se
     state = lambda: (_checksum(trainer.params), _checksum(p.grad for p in trainer.params),  # noqa: E731
                      _checksum(v for s in trainer.optimizer.state.values() for v in s.values()))
     before = state()
-    other = gap.fragment_spec(0, 0, 1, 3, 4, 3, 2)
+    other = gap.fragment_spec(0, 0, 2, 2, 3, 4, 3)
     generate_fragment(policy, other, prompts, sampling, reward, version=trainer.version, producer=-2)
     assert state() == before
     trainer.optimizer.zero_grad(set_to_none=True)

@@ -120,7 +120,7 @@ def gpu_check(size: str, device_name: str, out_dir: str) -> int:
     out["bare_lora_fp32_fwd_bwd_s"] = _timed(bare_train, 5, sync)
     trainer = Trainer(policy, TrainConfig())
     _, (x_t, x_next, logp, t_idx, sigmas) = ours()
-    fragment = gap.Fragment(step=0, index=0, policy_version=0, producer=0, group_size=batch,
+    fragment = gap.Fragment(step=0, first_group=0, policy_version=0, producer=0, group_size=batch,
                             prompt_ids=torch.zeros(batch, dtype=torch.long), cond=cond, latents=x_t, next_latents=x_next,
                             timestep_index=t_idx, sigmas=sigmas[t_idx], sigmas_next=sigmas[t_idx + 1], log_probs=logp,
                             rewards=torch.randn(batch), reward_parts=torch.randn(batch, 1), advantages=torch.randn(batch))

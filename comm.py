@@ -1,0 +1,134 @@
+"""Process groups and the two communication planes: the rules that make the GPU path the tested path.
+
+    groups = comm.build_groups(rank, world, "disaggregated", rollout_ranks=1)
+    groups.compute      # trainers, default backend (NCCL on GPUs): gradients and FSDP2, main thread only
+    groups.trainer_data # trainers, gloo: commands, fragment broadcast, TAG shares, metrics
+    groups.publish      # trainer leader + rollout ranks, gloo: weights (received by a mailbox thread)
+    groups.world_data   # every rank, gloo: fragments point to point, trace gathering, the last barrier
+
+The rules (docs/DESIGN.md section 4; tests/test_comm_contract.py enforces them on CPU):
+1. Data plane: everything that crosses between rollout and trainer, every control message, metric
+   and trace, and anything a background thread touches, goes over an explicit gloo group with CPU
+   tensors, whatever the default backend. Under NCCL, a blocking collective in a background thread
+   makes the device's current stream wait for it: the weight mailbox would stall generation until
+   the next publish, which needs that generation (a deadlock at the first publish). A CPU tensor on
+   an NCCL group raises ("No backend type associated with device type cpu").
+2. Compute plane: the trainer group's gradient all-reduce and FSDP2's collectives, on the default
+   backend with tensors on the policy device, issued from the main thread only.
+3. Each background thread has a group of its own (the fragment sender uses world_data only while the
+   main thread does not; the mailbox only ever uses publish), so no two threads interleave
+   collectives on one group.
+4. No collective ever runs on the default (world) group: under NCCL its ranks may share a GPU.
+5. Collectives have no deadline (`NO_DEADLINE`): a step may take many minutes. A dead or frozen rank
+   is found by infra/liveness.py (heartbeats in the store) instead, within --timeout-s.
+
+NCCL is the default backend when every rank of a node has a GPU of its own: the GPUs per node are
+compared with the ranks per node (LOCAL_WORLD_SIZE under torchrun), not with the global world size.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+
+import torch.distributed as dist
+
+# A collective waits as long as its peers are alive; liveness (not a deadline) ends a job whose rank died.
+NO_DEADLINE = datetime.timedelta(days=7)
+DATA_PLANE = "data"
+COMPUTE_PLANE = "compute"
+
+
+def choose_backend(use_cuda: bool, gpus_per_node: int, world: int, env=None, requested: str = "auto") -> str:
+    """The default (compute-plane) backend: NCCL when every rank of a node has its own GPU, else gloo.
+
+    The ranks per node are LOCAL_WORLD_SIZE under torchrun (in `env`), else `world` (self-spawned: one
+    host). `requested` "nccl" forces NCCL (e.g. two ranks on one GPU whose NCCL groups hold one rank each)."""
+    ranks_per_node = int((env or {}).get("LOCAL_WORLD_SIZE", world))
+    if requested not in ("auto", "nccl", "gloo"):
+        raise ValueError(f"--backend {requested!r} is not one of auto, nccl, gloo")
+    if requested != "auto":
+        if requested == "nccl" and not use_cuda:
+            raise ValueError("--backend nccl needs CUDA (--device cuda); on CPU use gloo")
+        return requested
+    return "nccl" if use_cuda and 0 < ranks_per_node <= gpus_per_node else "gloo"
+
+
+@dataclasses.dataclass
+class Groups:
+    """This rank's place in the rank grid and the groups it talks on (None where it is not a member)."""
+
+    rank: int
+    world: int
+    rollout_ranks: list[int]
+    trainer_ranks: list[int]
+    compute: object = None  # trainers, default backend, device tensors, main thread
+    trainer_data: object = None  # trainers, gloo, CPU tensors
+    publish: object = None  # [leader] + rollout ranks, gloo, CPU tensors
+    world_data: object = None  # all ranks, gloo, CPU tensors
+    planes: dict = dataclasses.field(default_factory=dict)  # group -> DATA_PLANE | COMPUTE_PLANE
+
+    @property
+    def leader(self) -> int:
+        return self.trainer_ranks[0]
+
+    @property
+    def is_trainer(self) -> bool:
+        return self.rank in self.trainer_ranks
+
+    @property
+    def is_rollout(self) -> bool:
+        return self.rank in self.rollout_ranks
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == self.leader
+
+    @property
+    def num_trainers(self) -> int:
+        return len(self.trainer_ranks)
+
+    @property
+    def trainer_index(self) -> int:
+        return self.trainer_ranks.index(self.rank)
+
+    @property
+    def role(self) -> str:
+        if self.is_trainer and self.is_rollout:
+            return "colocated"
+        return "trainer" if self.is_trainer else "rollout"
+
+
+def role_of(placement: str, rollout_ranks: int, rank: int, world: int) -> str:
+    if placement == "colocated" or world == 1:
+        return "colocated"
+    return "rollout" if rank < rollout_ranks else "trainer"
+
+
+def build_groups(rank: int, world: int, placement: str, rollout_ranks: int) -> Groups:
+    """Every rank calls this with the same arguments: torch.distributed needs all ranks in every new_group,
+    in the same order. At world size 1 there are no groups and every collective helper is a no-op."""
+    if placement == "colocated" or world == 1:
+        rollout, trainers = list(range(world)), list(range(world))
+    else:
+        rollout, trainers = list(range(rollout_ranks)), list(range(rollout_ranks, world))
+    groups = Groups(rank, world, rollout, trainers)
+    if world == 1:
+        return groups
+
+    def new(ranks, plane, backend):
+        group = dist.new_group(ranks, timeout=NO_DEADLINE, backend=backend, group_desc=f"{plane}:{len(ranks)}")
+        if group is not None and rank in ranks:
+            groups.planes[group] = plane
+            return group
+        return None
+
+    groups.world_data = new(list(range(world)), DATA_PLANE, "gloo")
+    groups.compute = new(trainers, COMPUTE_PLANE, None)  # None: the default backend
+    groups.trainer_data = new(trainers, DATA_PLANE, "gloo")
+    if placement != "colocated":
+        groups.publish = new([trainers[0]] + rollout, DATA_PLANE, "gloo")
+    return groups
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)

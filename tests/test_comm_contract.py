@@ -1,0 +1,104 @@
+"""The communication contract of comm.py, enforced on CPU: every torch.distributed call of a real run is
+recorded (tests/comm_contract/sitecustomize.py, loaded by every rank) and checked against the rules
+that keep the GPU path equal to the tested one:
+- a background thread never calls the compute plane (under NCCL it would make generation wait);
+- a data-plane call carries CPU tensors only (gloo, whatever the default backend);
+- a compute-plane call carries tensors on the policy device, and comes only from the gradient
+  all-reduce (Trainer.all_reduce_gradients) or from FSDP2 / DTensor internals;
+- nothing runs on the default (world) group.
+Three layouts: R=1 K=2 with FSDP + TAG + TCSS, colocated on 2 ranks, R=2 K=1.
+"""
+import json
+import os
+
+import pytest
+
+from conftest import ROOT, run_main
+
+pytestmark = pytest.mark.timeout(600)
+
+TORCH_INTERNALS = ("torch/distributed/fsdp/", "torch/distributed/tensor/", "torch/nn/utils/clip_grad")
+COMPUTE_CALLERS = {("trainer.py", "all_reduce_gradients")}  # the only project code allowed on the compute plane
+
+
+def violations(rows: list[dict], policy_device: str = "cpu") -> list[str]:
+    """Every broken rule, one line each (empty when the run kept the contract)."""
+    out = []
+    for row in rows:
+        where = f"rank {row['rank']} thread {row['thread']}: {row['op']} from {os.path.basename(row['file'])}:{row['function']}"
+        if row["plane"] == "compute":
+            if not row["main_thread"]:
+                out.append(f"{where}: a background thread on the compute plane")
+            if any(d.split(":")[0] != policy_device.split(":")[0] for d in row["devices"]):
+                out.append(f"{where}: tensors on {row['devices']} on the compute plane (policy device {policy_device})")
+            internal = any(part in row["file"].replace(os.sep, "/") for part in TORCH_INTERNALS)
+            if not internal and (os.path.basename(row["file"]), row["function"]) not in COMPUTE_CALLERS:
+                out.append(f"{where}: only the gradient all-reduce and FSDP may use the compute plane")
+        elif row["plane"] == "data":
+            if any(d != "cpu" for d in row["devices"]):
+                out.append(f"{where}: tensors on {row['devices']} on the data plane (CPU only)")
+        else:
+            out.append(f"{where}: a collective on the {row['plane']} group")
+    return out
+
+
+LAYOUTS = {
+    "fsdp_tag_tcss_r1_k2": ["--mode", "digenrl", "--fsdp", "--nproc", "3", "--rollout-ranks", "1",
+                            "--prompts-per-step", "4", "--fragment-groups", "2", "--eval-every", "2"],
+    "colocated_2": ["--mode", "colocated", "--nproc", "2", "--prompts-per-step", "2", "--eval-every", "2"],
+    "digenrl_r2_k1": ["--mode", "digenrl", "--nproc", "3", "--rollout-ranks", "2", "--prompts-per-step", "4",
+                      "--eval-every", "2"],
+}
+COMMON = ["--steps", "2", "--group-size", "2", "--num-steps", "3", "--save-every", "2", "--timeout-s", "60",
+          "--seed", "0"]
+
+
+@pytest.fixture(scope="module")
+def recorded(tiny_cache, tmp_path_factory):
+    out = tmp_path_factory.mktemp("contract")
+    env = {"PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "tests", "comm_contract"), ROOT,
+                                          os.environ.get("PYTHONPATH", "")])}
+    result = {}
+    for name, args in LAYOUTS.items():
+        log = out / f"{name}.calls"
+        log.mkdir()
+        run_main([*COMMON, *args, "--run-name", name], out, tiny_cache, env={**env, "DIGENRL_COMM_LOG": str(log)},
+                 timeout=300)
+        result[name] = [json.loads(line) for f in os.listdir(log) for line in open(log / f)]
+    return result
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_distributed_call_keeps_the_contract(recorded, layout):
+    rows = recorded[layout]
+    assert not violations(rows), "\n".join(violations(rows)[:20])
+    # The recorder saw the traffic that matters, so an empty violation list means something.
+    planes = {(r["plane"], r["main_thread"]) for r in rows}
+    assert ("data", True) in planes
+    assert ("compute", True) in planes or layout == "digenrl_r2_k1"  # K = 1 without FSDP: nothing to reduce
+    if layout != "colocated_2":  # fragments leave through the sender thread, weights arrive in the mailbox
+        threads = {r["thread"] for r in rows if not r["main_thread"]}
+        assert {"fragment-sender", "weight-mailbox"} <= threads, threads
+
+
+def test_fsdp_collectives_and_the_gradient_all_reduce_are_recorded(recorded):
+    fsdp = [r for r in recorded["fsdp_tag_tcss_r1_k2"] if r["plane"] == "compute"]
+    assert any("fsdp" in r["file"] for r in fsdp)  # FSDP2's all-gathers / reduce-scatters went through
+    colocated = [r for r in recorded["colocated_2"] if r["plane"] == "compute"]
+    assert any(r["function"] == "all_reduce_gradients" for r in colocated)
+
+
+def test_the_checker_flags_each_broken_rule():
+    base = {"rank": 1, "thread": "MainThread", "main_thread": True, "file": "/x/trainer.py",
+            "function": "all_reduce_gradients", "op": "dist.all_reduce", "devices": ["cuda:0"], "plane": "compute"}
+    assert violations([base], policy_device="cuda:0") == []
+    cases = [
+        ({"devices": ["cpu"]}, "on the compute plane (policy device cuda:0)"),  # a CPU tensor on NCCL
+        ({"main_thread": False, "thread": "weight-mailbox"}, "a background thread on the compute plane"),
+        ({"function": "reduce", "devices": ["cuda:0"]}, "only the gradient all-reduce and FSDP"),  # metrics
+        ({"plane": "data", "devices": ["cuda:0"]}, "on the data plane (CPU only)"),
+        ({"plane": "default", "devices": ["cpu"]}, "a collective on the default group"),
+    ]
+    for change, message in cases:
+        found = violations([{**base, **change}], policy_device="cuda:0")
+        assert any(message in v for v in found), (change, found)
