@@ -57,7 +57,10 @@ class Config:
     prompts_per_step: int = field(3, "B: prompts (groups) per step")
     group_size: int = field(8, "G: samples per prompt; larger = better advantage estimates, more compute")
     num_steps: int = field(6, "T: SDE sampling steps per trajectory")
-    timestep_fraction: float = field(1.0, "fraction of the sampling steps that are trained (T_train); smaller = cheaper training, noisier gradient")
+    timestep_fraction: Optional[float] = field(None, "share of the sampling steps that are trained, by the references' formulas: "
+                                               "flow_grpo T_train = int(T * f), the first steps; dance_grpo int((T - 1) * f) random "
+                                               "steps, never the last; unset = 0.99 for flow_grpo (Flow-GRPO's configs: all but the "
+                                               "last step), 0.6 for dance_grpo (DanceGRPO's script). Smaller = cheaper training, noisier gradient")
     noise_level: float = field(0.7, "SDE noise level a (Flow-GRPO) or eta (DanceGRPO): more exploration, lower image quality")
     algo: str = field("flow_grpo", "flow_grpo (default) or dance_grpo (constant eta, shared group noise, random timestep subset)")
     resolution: int = field(0, "image height = width in pixels; 0 = the family's tiny default (32)")
@@ -138,6 +141,8 @@ def resolve(cfg: Config) -> Config:
         c.max_stale_fragments = c.rollout_ranks
     if c.trace is None:
         c.trace = c.steps <= 200
+    if c.timestep_fraction is None:
+        c.timestep_fraction = 0.6 if c.algo == "dance_grpo" else 0.99
     return c
 
 
@@ -161,6 +166,8 @@ def validate(c: Config, world_size: int) -> None:
         _bad(f"--num-steps must be >= 2 sampling steps, got {c.num_steps}")
     if not 0 < c.timestep_fraction <= 1:
         _bad(f"--timestep-fraction must be in (0, 1], got {c.timestep_fraction}")
+    from rollout import SamplingConfig, num_train_timesteps
+    num_train_timesteps(SamplingConfig(c.num_steps, c.noise_level, c.timestep_fraction, c.algo))  # T_train >= 1
     for name in ("lr", "clip_range", "max_grad_norm", "timeout_s", "adv_clip"):
         value = getattr(c, name)
         if not (math.isfinite(value) and value > 0):

@@ -70,21 +70,26 @@ def sde_step_with_logprob(velocity, latents, sigma, sigma_next, noise_level, noi
 
 
 def dance_sde_step_with_logprob(velocity, latents, sigma, sigma_next, eta, noise=None, prev_sample=None):
-    """DanceGRPO's SDE step (DanceGRPO `flux_step`): constant noise scale eta, std = eta sqrt(sigma - sigma_next).
+    """DanceGRPO's SDE step (DanceGRPO `flux_step`, grpo=True, sde_solver=True): diffusion g = eta constant.
 
-    mean = x + v dt - 0.5 eta^2 score (sigma - sigma_next), with the score estimate
-    score = -(x - (1 - sigma) x0_hat) / sigma^2 and x0_hat = x - sigma v. Same signature as
-    `sde_step_with_logprob`.
+    The reverse-time SDE with the same marginals as the flow ODE dx = v dsigma, run from sigma to
+    sigma_next (dsigma = sigma_next - sigma < 0), is dx = [v - g^2/2 score] dsigma + g dw, so
+        mean = x + v dsigma - (eta^2 / 2) score dsigma,   std = eta sqrt(sigma - sigma_next),
+    with the score of x_sigma = (1 - sigma) x0 + sigma eps estimated from x0_hat = x - sigma v:
+        score = -(x - (1 - sigma) x0_hat) / sigma^2.
+    (The score term moves the mean *towards* the data: with dsigma < 0 it adds +eta^2/2 score |dsigma|.)
+    Same signature and returns as `sde_step_with_logprob`. The log-prob is the full Gaussian density;
+    DanceGRPO's code drops the constant -log(std) - log sqrt(2 pi) (it does not change ratios).
     """
     v = velocity.to(torch.float32)
     x = latents.to(torch.float32)
     s = _per_sample(sigma, x)
     s_next = _per_sample(sigma_next, x)
-    delta = s - s_next  # > 0
+    dsigma = s_next - s  # < 0
     x0_hat = x - s * v
-    score = -(x - x0_hat * (1 - s)) / s**2
-    mean = x - delta * v - 0.5 * eta**2 * score * delta
-    std = eta * torch.sqrt(delta)
+    score = -(x - (1 - s) * x0_hat) / s**2
+    mean = x + (v - 0.5 * eta**2 * score) * dsigma
+    std = eta * torch.sqrt(-dsigma)
     return _sample_or_score(mean, std, noise, prev_sample)
 
 
