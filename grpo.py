@@ -111,7 +111,8 @@ def policy_loss(log_prob, old_log_prob, advantages, clip_range, weights=None):
 
     All inputs [n]. With `weights` [n] the loss is sum(w * per_pair) (the trainer passes
     1/(N T_train) so accumulation over fragments reproduces the batch mean); without, the mean.
-    Returns (loss, stats) where stats are detached floats-as-tensors.
+    A pair of weight 0 is padding (TSP): it adds nothing to the loss and is left out of the stats.
+    Returns (loss, stats) where stats are detached floats-as-tensors over the real pairs.
     """
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(log_ratio)
@@ -120,12 +121,15 @@ def policy_loss(log_prob, old_log_prob, advantages, clip_range, weights=None):
     per_pair = torch.maximum(unclipped, clipped)  # [n]
     loss = per_pair.mean() if weights is None else (per_pair * weights).sum()
     with torch.no_grad():
+        real = torch.ones_like(ratio, dtype=torch.bool) if weights is None else weights.to(ratio.device) != 0  # [n]
+        count = real.sum().clamp(min=1)
+        mean = lambda t: (t * real).sum() / count  # noqa: E731  (mean over the real pairs)
         stats = {
-            "approx_kl": 0.5 * (log_ratio**2).mean(),
-            "clipfrac": ((ratio - 1.0).abs() > clip_range).float().mean(),
-            "ratio_mean": ratio.mean(),
-            "ratio_min": ratio.min(),
-            "ratio_max": ratio.max(),
+            "approx_kl": mean(0.5 * log_ratio.detach() ** 2),
+            "clipfrac": mean(((ratio.detach() - 1.0).abs() > clip_range).float()),
+            "ratio_mean": mean(ratio.detach()),
+            "ratio_min": torch.where(real, ratio.detach(), torch.inf).min(),
+            "ratio_max": torch.where(real, ratio.detach(), -torch.inf).max(),
         }
     return loss, stats
 
