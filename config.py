@@ -67,6 +67,9 @@ class Config:
     frames: int = field(0, "video frames (video families); 0 = the family default")
     guidance: Optional[float] = field(None, "embedded guidance (FLUX, HunyuanVideo) or true-CFG scale (Qwen-Image, Wan); unset = family default")
     text_len: int = field(512, "max text tokens (capped by the tokenizer); longer = slower text encoding, more memory")
+    prompt_cache_size: int = field(64, "distinct prompts whose text embeddings stay cached on the device (least recently "
+                                   "used evicted first): more = fewer text-encoder passes when prompts repeat, more memory "
+                                   "(FLUX T5 at 512 tokens: ~4 MB per prompt in bf16); 0 = encode every time")
     # optimisation
     lr: float = field(3e-3, "AdamW learning rate (tiny full fine-tuning learns at 3e-3; real LoRA runs use ~1e-4)")
     clip_range: float = field(1e-2, "PPO clip range on the averaged log-prob ratio (Flow-GRPO uses 1e-4 on real models)")
@@ -174,6 +177,8 @@ def validate(c: Config, world_size: int) -> None:
             _bad(f"--{name.replace('_', '-')} must be a positive number, got {value}")
     if not (math.isfinite(c.noise_level) and c.noise_level > 0):
         _bad(f"--noise-level must be > 0 for training (the SDE needs noise), got {c.noise_level}")
+    if c.prompt_cache_size < 0:
+        _bad(f"--prompt-cache-size must be >= 0 (0 = no cache), got {c.prompt_cache_size}")
     if c.beta < 0 or c.max_stale_fragments < 0 or c.eval_every < 0 or c.save_every < 0 or c.max_bad_steps < 1:
         _bad("--beta, --max-stale-fragments, --eval-every and --save-every must be >= 0 and --max-bad-steps >= 1")
     if c.algo not in ("flow_grpo", "dance_grpo"):

@@ -61,7 +61,7 @@ def run_rank(cfg: config_lib.Config, rank: int, world: int, local_rank: int, mas
 
     path = cfg.pretrained or models.tiny_pipeline_path(cfg.model, cfg.cache_dir)
     policy = models.load(cfg.model, path, device, dtype, height=cfg.resolution or None, frames=cfg.frames or None,
-                         max_sequence_length=cfg.text_len, guidance=cfg.guidance)
+                         max_sequence_length=cfg.text_len, guidance=cfg.guidance, prompt_cache_size=cfg.prompt_cache_size)
     torch.manual_seed(cfg.seed)  # identical LoRA init on every rank (the leader also publishes version 0)
     if cfg.lora:
         targets = None if cfg.lora_targets == "attention" else _all_linear_targets(policy.transformer)

@@ -12,6 +12,7 @@ reference policy is the same transformer with adapters disabled.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import os
@@ -62,13 +63,15 @@ class Policy:
     """A pipeline on a device, with cached prompt encodings and the RL-facing calls."""
 
     def __init__(self, family: Family, pipe, device, dtype, height: int, width: int, frames: int = 1,
-                 max_sequence_length: int = 512, guidance: float | None = None):
+                 max_sequence_length: int = 512, guidance: float | None = None, prompt_cache_size: int = 64):
         self.family, self.pipe, self.device, self.dtype = family, pipe, torch.device(device), dtype
         self.height, self.width, self.frames = height, width, frames
         tok = getattr(pipe, family.sequence_tokenizer, None) or getattr(pipe, "tokenizer", None)
         self.max_sequence_length = min(max_sequence_length, getattr(tok, "model_max_length", max_sequence_length))
         self.guidance = family.default_guidance if guidance is None else guidance
-        self._prompt_cache: dict[str, dict[str, torch.Tensor]] = {}
+        # prompt -> its conditioning on the device, least recently used first; at most prompt_cache_size prompts
+        self._prompt_cache: collections.OrderedDict[str, dict[str, torch.Tensor]] = collections.OrderedDict()
+        self.prompt_cache_size = prompt_cache_size
         self.negative_cond = self.encode_prompts([""]) if family.uses_true_cfg else None
         self.reference_transformer = None  # a frozen copy, only for full fine-tuning with a KL term
 
@@ -77,14 +80,25 @@ class Policy:
         return self.pipe.transformer
 
     def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        """Batch-first conditioning for `prompts`; each distinct prompt is encoded once and cached."""
-        missing = [p for p in dict.fromkeys(prompts) if p not in self._prompt_cache]
+        """Batch-first conditioning for `prompts`; each distinct prompt is encoded once, then served from an
+        LRU cache of at most `prompt_cache_size` prompts (so a run over many prompts keeps bounded memory)."""
+        found = {}
+        for prompt in dict.fromkeys(prompts):
+            if prompt in self._prompt_cache:
+                self._prompt_cache.move_to_end(prompt)  # most recently used
+                found[prompt] = self._prompt_cache[prompt]
+        missing = [p for p in dict.fromkeys(prompts) if p not in found]
         if missing:
             encoded = self.family.encode(self.pipe, missing, self.device, self.max_sequence_length)
             for i, prompt in enumerate(missing):
-                self._prompt_cache[prompt] = {k: v[i : i + 1].detach() for k, v in encoded.items()}
-        keys = self._prompt_cache[prompts[0]].keys()
-        return {k: torch.cat([self._prompt_cache[p][k] for p in prompts]) for k in keys}
+                # clone: a row view would keep the whole encoded batch alive for as long as one row is cached
+                found[prompt] = {k: v[i : i + 1].detach().clone() for k, v in encoded.items()}
+                if self.prompt_cache_size > 0:
+                    self._prompt_cache[prompt] = found[prompt]
+            while len(self._prompt_cache) > self.prompt_cache_size:
+                self._prompt_cache.popitem(last=False)  # evict the least recently used
+        keys = found[prompts[0]].keys()
+        return {k: torch.cat([found[p][k] for p in prompts]) for k in keys}
 
     def latent_shape(self) -> tuple[int, ...]:
         return self.family.latent_shape(self.pipe, self.height, self.width, self.frames)
@@ -127,7 +141,7 @@ class Policy:
 
 def load(name: str, path: str, device="cpu", dtype=torch.float32, height: int | None = None,
          width: int | None = None, frames: int | None = None, max_sequence_length: int = 512,
-         guidance: float | None = None) -> Policy:
+         guidance: float | None = None, prompt_cache_size: int = 64) -> Policy:
     """Load a pipeline directory (tiny or real weights) through the family's `from_pretrained`."""
     family = get_family(name)
     family.check_pretrained(path)
@@ -140,7 +154,7 @@ def load(name: str, path: str, device="cpu", dtype=torch.float32, height: int | 
             module.requires_grad_(False).eval()
     height = height or family.tiny_resolution
     return Policy(family, pipe, device, dtype, height, width or height, frames or family.tiny_frames,
-                  max_sequence_length, guidance)
+                  max_sequence_length, guidance, prompt_cache_size)
 
 
 def _quiet_libraries() -> None:
