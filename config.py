@@ -81,6 +81,10 @@ class Config:
     lora_rank: int = field(32, "LoRA rank: larger = more capacity and bigger weight publishes")
     lora_alpha: float = field(64.0, "LoRA alpha (scale = alpha / rank)")
     lora_targets: str = field("attention", "attention (Flow-GRPO's projections of the family) or all-linear (every linear in the blocks)")
+    fp32_master: bool = field(True, "full fine-tuning with a bf16 policy: trainers keep fp32 weights, gradients and AdamW "
+                              "state and compute in bf16 under autocast (16 instead of 8 bytes per parameter); "
+                              "--no-fp32-master keeps pure bf16: half the memory, but updates below half a bf16 ulp "
+                              "(lr 1e-5 on typical weights) are lost. No effect with LoRA (adapters are always fp32)")
     grad_ckpt: bool = field(False, "gradient checkpointing in the trainer: less memory, ~30%% more compute")
     max_bad_steps: int = field(3, "abort after this many optimizer steps in a row with a non-finite loss or gradient")
     # machine

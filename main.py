@@ -67,7 +67,7 @@ def run_rank(cfg: config_lib.Config, rank: int, world: int, local_rank: int, mas
         targets = None if cfg.lora_targets == "attention" else _all_linear_targets(policy.transformer)
         models.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, targets)
     else:
-        models.enable_full_training(policy)
+        models.enable_full_training(policy, fp32_master=cfg.fp32_master and groups.is_trainer)
     if cfg.grad_ckpt and groups.is_trainer:
         policy.transformer.enable_gradient_checkpointing()
     params = [p for p in policy.transformer.parameters() if p.requires_grad]
@@ -172,9 +172,8 @@ def _shard(policy, groups, keep_reference: bool) -> None:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if keep_reference and policy.reference_transformer is None:  # full fine-tuning with KL: copy before sharding
-        import copy
-        policy.reference_transformer = copy.deepcopy(policy.transformer).requires_grad_(False)
+    if keep_reference:  # full fine-tuning with KL: the reference is the initial weights, copied before sharding
+        policy.freeze_reference()
     mesh = DeviceMesh.from_group(groups.trainer, "cuda" if "cuda" in str(policy.device) else "cpu")
     # bf16 base + fp32 LoRA: gather and compute in the policy dtype, reduce gradients in fp32.
     mp = MixedPrecisionPolicy(param_dtype=policy.dtype, reduce_dtype=torch.float32)

@@ -71,6 +71,8 @@ class Trainer:
         self.names, self.params = [n for n, _ in trainable], [p for _, p in trainable]
         if not self.params:
             raise ValueError("the transformer has no trainable parameters")
+        if cfg.beta > 0:
+            policy.freeze_reference()  # the KL reference is the weights as they are now (main.py: before resume)
         self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
         self.step_fn = step_fn(cfg.algo)
         self.version = 0  # the weights version this trainer holds (= optimizer steps taken)

@@ -73,7 +73,8 @@ class Policy:
         self._prompt_cache: collections.OrderedDict[str, dict[str, torch.Tensor]] = collections.OrderedDict()
         self.prompt_cache_size = prompt_cache_size
         self.negative_cond = self.encode_prompts([""]) if family.uses_true_cfg else None
-        self.reference_transformer = None  # a frozen copy, only for full fine-tuning with a KL term
+        self.reference_transformer = None  # a frozen copy of the initial weights: full fine-tuning with a KL term
+        self.autocast = False  # fp32 master weights with a bf16 policy: compute under bf16 autocast
 
     @property
     def transformer(self):
@@ -115,9 +116,21 @@ class Policy:
         transformer = transformer if transformer is not None else self.transformer
         cond = {k: v.to(self.device, self.dtype) for k, v in cond.items()}
         neg = None if self.negative_cond is None else {k: v.to(self.device, self.dtype) for k, v in self.negative_cond.items()}
-        out = self.family.forward(self.pipe, transformer, latents.to(self.device, self.dtype),
-                                  sigma.to(self.device, torch.float32), cond, self.guidance, neg)
+        amp = torch.autocast(self.device.type, dtype=self.dtype) if self.autocast else contextlib.nullcontext()
+        with amp:  # fp32 master weights: matmuls run in the policy dtype, as on the rollout ranks
+            out = self.family.forward(self.pipe, transformer, latents.to(self.device, self.dtype),
+                                      sigma.to(self.device, torch.float32), cond, self.guidance, neg)
         return out.to(torch.float32)
+
+    def freeze_reference(self) -> None:
+        """Full fine-tuning with a KL term: keep a frozen copy of the transformer *as it is now* as the reference.
+
+        Call it once, on the initial weights: before a resumed checkpoint is loaded and before FSDP sharding
+        (main.py and Trainer do). With LoRA nothing is copied: the reference is the base with adapters off.
+        """
+        if self.reference_transformer is None and not has_lora(self.transformer):
+            # in the policy dtype: with fp32 master weights (enable_full_training) the values are bf16 ones anyway
+            self.reference_transformer = copy.deepcopy(self.transformer).requires_grad_(False).to(self.dtype)
 
     @contextlib.contextmanager
     def reference(self):
@@ -129,8 +142,9 @@ class Policy:
             finally:
                 self.transformer.enable_adapters()
         else:
-            if self.reference_transformer is None:
-                self.reference_transformer = copy.deepcopy(self.transformer).requires_grad_(False)
+            if self.reference_transformer is None:  # a lazy copy here would be of whatever weights we hold now
+                raise RuntimeError("full fine-tuning with a KL term needs policy.freeze_reference() on the initial "
+                                   "weights (before resuming or training)")
             yield self.reference_transformer
 
     @torch.no_grad()
@@ -184,8 +198,20 @@ def add_lora(policy: Policy, rank: int, alpha: float, targets: tuple[str, ...] |
             p.data = p.data.float()  # bf16 base, fp32 adapters: updates of size lr*grad survive rounding
 
 
-def enable_full_training(policy: Policy) -> None:
+def enable_full_training(policy: Policy, fp32_master: bool = False) -> None:
+    """Train every transformer weight. With `fp32_master` and a lower-precision policy (bf16 on GPUs), the
+    trainable weights become float32 (so their gradients and AdamW state are float32 too) and the forward
+    runs under autocast in the policy dtype: the mixed precision of Flow-GRPO (accelerate bf16) and
+    DanceGRPO (fp32 master weights, FSDP bf16 compute). 16 bytes per parameter instead of 8, and an
+    update far below half a bf16 ulp (lr 1e-5 on weights ~1e-2) accumulates instead of rounding away.
+    Alternative not taken: bf16 weights with an fp32 copy held by the optimizer (~18 bytes per parameter,
+    the trainer's forward then bit-equal to the rollout's) or bf16 with stochastic rounding (8 bytes,
+    unbiased but noisy). Call it on trainer ranks only: rollout ranks keep the policy dtype."""
     policy.transformer.requires_grad_(True)
+    if fp32_master and policy.dtype != torch.float32:
+        for p in policy.transformer.parameters():
+            p.data = p.data.float()
+        policy.autocast = True
 
 
 def trainable_state(transformer) -> dict[str, torch.Tensor]:
