@@ -57,13 +57,19 @@ class Config:
     prompts_per_step: int = field(3, "B: prompts (groups) per step")
     group_size: int = field(8, "G: samples per prompt; larger = better advantage estimates, more compute")
     num_steps: int = field(6, "T: SDE sampling steps per trajectory")
-    timestep_fraction: float = field(1.0, "fraction of the sampling steps that are trained (T_train); smaller = cheaper training, noisier gradient")
+    timestep_fraction: Optional[float] = field(None, "share of the sampling steps that are trained, by the references' formulas: "
+                                               "flow_grpo T_train = int(T * f), the first steps; dance_grpo int((T - 1) * f) random "
+                                               "steps, never the last; unset = 0.99 for flow_grpo (Flow-GRPO's configs: all but the "
+                                               "last step), 0.6 for dance_grpo (DanceGRPO's script). Smaller = cheaper training, noisier gradient")
     noise_level: float = field(0.7, "SDE noise level a (Flow-GRPO) or eta (DanceGRPO): more exploration, lower image quality")
     algo: str = field("flow_grpo", "flow_grpo (default) or dance_grpo (constant eta, shared group noise, random timestep subset)")
     resolution: int = field(0, "image height = width in pixels; 0 = the family's tiny default (32)")
     frames: int = field(0, "video frames (video families); 0 = the family default")
     guidance: Optional[float] = field(None, "embedded guidance (FLUX, HunyuanVideo) or true-CFG scale (Qwen-Image, Wan); unset = family default")
     text_len: int = field(512, "max text tokens (capped by the tokenizer); longer = slower text encoding, more memory")
+    prompt_cache_size: int = field(64, "distinct prompts whose text embeddings stay cached on the device (least recently "
+                                   "used evicted first): more = fewer text-encoder passes when prompts repeat, more memory "
+                                   "(FLUX T5 at 512 tokens: ~4 MB per prompt in bf16); 0 = encode every time")
     # optimisation
     lr: float = field(3e-3, "AdamW learning rate (tiny full fine-tuning learns at 3e-3; real LoRA runs use ~1e-4)")
     clip_range: float = field(1e-2, "PPO clip range on the averaged log-prob ratio (Flow-GRPO uses 1e-4 on real models)")
@@ -77,6 +83,10 @@ class Config:
     lora_rank: int = field(32, "LoRA rank: larger = more capacity and bigger weight publishes")
     lora_alpha: float = field(64.0, "LoRA alpha (scale = alpha / rank)")
     lora_targets: str = field("attention", "attention (Flow-GRPO's projections of the family) or all-linear (every linear in the blocks)")
+    fp32_master: bool = field(True, "full fine-tuning with a bf16 policy: trainers keep fp32 weights, gradients and AdamW "
+                              "state and compute in bf16 under autocast (16 instead of 8 bytes per parameter); "
+                              "--no-fp32-master keeps pure bf16: half the memory, but updates below half a bf16 ulp "
+                              "(lr 1e-5 on typical weights) are lost. No effect with LoRA (adapters are always fp32)")
     grad_ckpt: bool = field(False, "gradient checkpointing in the trainer: less memory, ~30%% more compute")
     max_bad_steps: int = field(3, "abort after this many optimizer steps in a row with a non-finite loss or gradient")
     # machine
@@ -143,6 +153,8 @@ def resolve(cfg: Config) -> Config:
         c.max_stale_fragments = c.rollout_ranks
     if c.trace is None:
         c.trace = c.steps <= 200
+    if c.timestep_fraction is None:
+        c.timestep_fraction = 0.6 if c.algo == "dance_grpo" else 0.99
     return c
 
 
@@ -166,12 +178,16 @@ def validate(c: Config, world_size: int) -> None:
         _bad(f"--num-steps must be >= 2 sampling steps, got {c.num_steps}")
     if not 0 < c.timestep_fraction <= 1:
         _bad(f"--timestep-fraction must be in (0, 1], got {c.timestep_fraction}")
+    from rollout import SamplingConfig, num_train_timesteps
+    num_train_timesteps(SamplingConfig(c.num_steps, c.noise_level, c.timestep_fraction, c.algo))  # T_train >= 1
     for name in ("lr", "clip_range", "max_grad_norm", "timeout_s", "adv_clip"):
         value = getattr(c, name)
         if not (math.isfinite(value) and value > 0):
             _bad(f"--{name.replace('_', '-')} must be a positive number, got {value}")
     if not (math.isfinite(c.noise_level) and c.noise_level > 0):
         _bad(f"--noise-level must be > 0 for training (the SDE needs noise), got {c.noise_level}")
+    if c.prompt_cache_size < 0:
+        _bad(f"--prompt-cache-size must be >= 0 (0 = no cache), got {c.prompt_cache_size}")
     if c.beta < 0 or c.max_stale_fragments < 0 or c.eval_every < 0 or c.save_every < 0 or c.max_bad_steps < 1:
         _bad("--beta, --max-stale-fragments, --eval-every and --save-every must be >= 0 and --max-bad-steps >= 1")
     if c.optimizer not in ("adamw", "sgd"):

@@ -70,21 +70,26 @@ def sde_step_with_logprob(velocity, latents, sigma, sigma_next, noise_level, noi
 
 
 def dance_sde_step_with_logprob(velocity, latents, sigma, sigma_next, eta, noise=None, prev_sample=None):
-    """DanceGRPO's SDE step (DanceGRPO `flux_step`): constant noise scale eta, std = eta sqrt(sigma - sigma_next).
+    """DanceGRPO's SDE step (DanceGRPO `flux_step`, grpo=True, sde_solver=True): diffusion g = eta constant.
 
-    mean = x + v dt - 0.5 eta^2 score (sigma - sigma_next), with the score estimate
-    score = -(x - (1 - sigma) x0_hat) / sigma^2 and x0_hat = x - sigma v. Same signature as
-    `sde_step_with_logprob`.
+    The reverse-time SDE with the same marginals as the flow ODE dx = v dsigma, run from sigma to
+    sigma_next (dsigma = sigma_next - sigma < 0), is dx = [v - g^2/2 score] dsigma + g dw, so
+        mean = x + v dsigma - (eta^2 / 2) score dsigma,   std = eta sqrt(sigma - sigma_next),
+    with the score of x_sigma = (1 - sigma) x0 + sigma eps estimated from x0_hat = x - sigma v:
+        score = -(x - (1 - sigma) x0_hat) / sigma^2.
+    (The score term moves the mean *towards* the data: with dsigma < 0 it adds +eta^2/2 score |dsigma|.)
+    Same signature and returns as `sde_step_with_logprob`. The log-prob is the full Gaussian density;
+    DanceGRPO's code drops the constant -log(std) - log sqrt(2 pi) (it does not change ratios).
     """
     v = velocity.to(torch.float32)
     x = latents.to(torch.float32)
     s = _per_sample(sigma, x)
     s_next = _per_sample(sigma_next, x)
-    delta = s - s_next  # > 0
+    dsigma = s_next - s  # < 0
     x0_hat = x - s * v
-    score = -(x - x0_hat * (1 - s)) / s**2
-    mean = x - delta * v - 0.5 * eta**2 * score * delta
-    std = eta * torch.sqrt(delta)
+    score = -(x - (1 - s) * x0_hat) / s**2
+    mean = x + (v - 0.5 * eta**2 * score) * dsigma
+    std = eta * torch.sqrt(-dsigma)
     return _sample_or_score(mean, std, noise, prev_sample)
 
 
@@ -106,7 +111,8 @@ def policy_loss(log_prob, old_log_prob, advantages, clip_range, weights=None):
 
     All inputs [n]. With `weights` [n] the loss is sum(w * per_pair) (the trainer passes
     1/(N T_train) so accumulation over fragments reproduces the batch mean); without, the mean.
-    Returns (loss, stats) where stats are detached floats-as-tensors.
+    A pair of weight 0 is padding (TSP): it adds nothing to the loss and is left out of the stats.
+    Returns (loss, stats) where stats are detached floats-as-tensors over the real pairs.
     """
     log_ratio = log_prob - old_log_prob
     ratio = torch.exp(log_ratio)
@@ -115,12 +121,15 @@ def policy_loss(log_prob, old_log_prob, advantages, clip_range, weights=None):
     per_pair = torch.maximum(unclipped, clipped)  # [n]
     loss = per_pair.mean() if weights is None else (per_pair * weights).sum()
     with torch.no_grad():
+        real = torch.ones_like(ratio, dtype=torch.bool) if weights is None else weights.to(ratio.device) != 0  # [n]
+        count = real.sum().clamp(min=1)
+        mean = lambda t: (t * real).sum() / count  # noqa: E731  (mean over the real pairs)
         stats = {
-            "approx_kl": 0.5 * (log_ratio**2).mean(),
-            "clipfrac": ((ratio - 1.0).abs() > clip_range).float().mean(),
-            "ratio_mean": ratio.mean(),
-            "ratio_min": ratio.min(),
-            "ratio_max": ratio.max(),
+            "approx_kl": mean(0.5 * log_ratio.detach() ** 2),
+            "clipfrac": mean(((ratio.detach() - 1.0).abs() > clip_range).float()),
+            "ratio_mean": mean(ratio.detach()),
+            "ratio_min": torch.where(real, ratio.detach(), torch.inf).min(),
+            "ratio_max": torch.where(real, ratio.detach(), -torch.inf).max(),
         }
     return loss, stats
 

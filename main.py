@@ -106,13 +106,13 @@ def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple[str, int
 
     path = cfg.pretrained or models.tiny_pipeline_path(cfg.model, cfg.cache_dir)
     policy = models.load(cfg.model, path, device, dtype, height=cfg.resolution or None, frames=cfg.frames or None,
-                         max_sequence_length=cfg.text_len, guidance=cfg.guidance)
+                         max_sequence_length=cfg.text_len, guidance=cfg.guidance, prompt_cache_size=cfg.prompt_cache_size)
     torch.manual_seed(cfg.seed)  # identical LoRA init on every rank (the leader also publishes version 0)
     if cfg.lora:
         targets = None if cfg.lora_targets == "attention" else _all_linear_targets(policy.transformer)
         models.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, targets)
     else:
-        models.enable_full_training(policy)
+        models.enable_full_training(policy, fp32_master=cfg.fp32_master and groups.is_trainer)
     if cfg.grad_ckpt and groups.is_trainer:
         policy.transformer.enable_gradient_checkpointing()
     prompts = config_lib.load_prompts(cfg.prompt_file) if cfg.prompt_file else rewards.color_prompts("train")
@@ -272,8 +272,9 @@ def trainer_rank(r: Rank):
             return
         with tracer.span("publish", version=version):
             tensors = trainer.iter_full_weights()
-            if leader:
-                async_policy.publish(tensors, len(trainer.params), version, groups.leader, groups.publish)
+            if leader:  # in the rollout's dtypes: bf16 weights for full fine-tuning even with fp32 masters here
+                async_policy.publish(tensors, len(trainer.params), version, groups.leader, groups.publish,
+                                     dtypes=None if cfg.lora else [policy.dtype] * len(trainer.params))
             else:
                 collections.deque(tensors, maxlen=0)  # take part in each gather, keep nothing
 
@@ -380,9 +381,8 @@ def _shard(policy, groups, keep_reference: bool) -> None:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if keep_reference and policy.reference_transformer is None:  # full fine-tuning with KL: copy before sharding
-        import copy
-        policy.reference_transformer = copy.deepcopy(policy.transformer).requires_grad_(False)
+    if keep_reference:  # full fine-tuning with KL: the reference is the initial weights, copied before sharding
+        policy.freeze_reference()
     mesh = DeviceMesh.from_group(groups.compute, policy.device.type)
     # bf16 base + fp32 LoRA: gather and compute in the policy dtype, reduce gradients in fp32.
     mp = MixedPrecisionPolicy(param_dtype=policy.dtype, reduce_dtype=torch.float32)

@@ -28,7 +28,7 @@ from gap import Fragment, FragmentSpec
 class SamplingConfig:
     num_steps: int = 6  # T
     noise_level: float = 0.7  # Flow-GRPO's a (or DanceGRPO's eta)
-    timestep_fraction: float = 1.0  # fraction of the T - 1 (DanceGRPO: T) steps that are trained
+    timestep_fraction: float = 0.99  # trained share of the T steps: see num_train_timesteps
     algo: str = "flow_grpo"  # or "dance_grpo"
     adv_clip: float = 5.0
 
@@ -38,18 +38,27 @@ def step_fn(algo: str):
 
 
 def num_train_timesteps(cfg: SamplingConfig) -> int:
-    """T_train: Flow-GRPO trains all but the last step by default; DanceGRPO a fraction of all T."""
-    trainable = cfg.num_steps if cfg.algo == "dance_grpo" else max(1, cfg.num_steps - 1)
-    return max(1, min(trainable, round(cfg.timestep_fraction * trainable)))
+    """T_train, by each reference's own formula; a fraction that gives 0 steps is a ValueError.
+
+    Flow-GRPO (scripts/train_flux.py): int(T * timestep_fraction); its configs use 0.99, i.e. all but
+    the last step. DanceGRPO (train_grpo_flux.py): int((T - 1) * timestep_fraction), since it never
+    trains the last step.
+    """
+    trainable = cfg.num_steps - 1 if cfg.algo == "dance_grpo" else cfg.num_steps
+    t_train = int(trainable * cfg.timestep_fraction)
+    if t_train < 1:
+        raise ValueError(f"--timestep-fraction {cfg.timestep_fraction} with --num-steps {cfg.num_steps} trains no step "
+                         f"({cfg.algo}: int({trainable} * {cfg.timestep_fraction}) = 0); raise either")
+    return t_train
 
 
 def train_slots(cfg: SamplingConfig, noise_seed: int) -> list[int]:
-    """Which sampling steps of one trajectory are trained (sorted)."""
+    """Which sampling steps of one trajectory are trained (sorted; step 0 is the first, pure-noise step)."""
     t_train = num_train_timesteps(cfg)
-    if cfg.algo == "dance_grpo":  # a random per-sample subset, reproducible from the trajectory's seed
+    if cfg.algo == "dance_grpo":  # a random per-sample subset of steps 0..T-2, reproducible from the seed
         gen = torch.Generator().manual_seed(noise_seed + 7)
-        return sorted(torch.randperm(cfg.num_steps, generator=gen)[:t_train].tolist())
-    return list(range(t_train))  # Flow-GRPO: the first T_train (high-noise) steps
+        return sorted(torch.randperm(cfg.num_steps - 1, generator=gen)[:t_train].tolist())
+    return list(range(t_train))  # Flow-GRPO: the first T_train (high-noise) steps, 0..T_train-1
 
 
 @torch.no_grad()

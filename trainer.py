@@ -81,6 +81,8 @@ class Trainer:
         self.names, self.params = [n for n, _ in trainable], [p for _, p in trainable]
         if not self.params:
             raise ValueError("the transformer has no trainable parameters")
+        if cfg.beta > 0:
+            policy.freeze_reference()  # the KL reference is the weights as they are now (main.py: before resume)
         if cfg.optimizer == "sgd":
             self.optimizer = torch.optim.SGD(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         else:

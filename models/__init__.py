@@ -12,6 +12,7 @@ reference policy is the same transformer with adapters disabled.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import os
@@ -62,29 +63,43 @@ class Policy:
     """A pipeline on a device, with cached prompt encodings and the RL-facing calls."""
 
     def __init__(self, family: Family, pipe, device, dtype, height: int, width: int, frames: int = 1,
-                 max_sequence_length: int = 512, guidance: float | None = None):
+                 max_sequence_length: int = 512, guidance: float | None = None, prompt_cache_size: int = 64):
         self.family, self.pipe, self.device, self.dtype = family, pipe, torch.device(device), dtype
         self.height, self.width, self.frames = height, width, frames
         tok = getattr(pipe, family.sequence_tokenizer, None) or getattr(pipe, "tokenizer", None)
         self.max_sequence_length = min(max_sequence_length, getattr(tok, "model_max_length", max_sequence_length))
         self.guidance = family.default_guidance if guidance is None else guidance
-        self._prompt_cache: dict[str, dict[str, torch.Tensor]] = {}
+        # prompt -> its conditioning on the device, least recently used first; at most prompt_cache_size prompts
+        self._prompt_cache: collections.OrderedDict[str, dict[str, torch.Tensor]] = collections.OrderedDict()
+        self.prompt_cache_size = prompt_cache_size
         self.negative_cond = self.encode_prompts([""]) if family.uses_true_cfg else None
-        self.reference_transformer = None  # a frozen copy, only for full fine-tuning with a KL term
+        self.reference_transformer = None  # a frozen copy of the initial weights: full fine-tuning with a KL term
+        self.autocast = False  # fp32 master weights with a bf16 policy: compute under bf16 autocast
 
     @property
     def transformer(self):
         return self.pipe.transformer
 
     def encode_prompts(self, prompts: list[str]) -> dict[str, torch.Tensor]:
-        """Batch-first conditioning for `prompts`; each distinct prompt is encoded once and cached."""
-        missing = [p for p in dict.fromkeys(prompts) if p not in self._prompt_cache]
+        """Batch-first conditioning for `prompts`; each distinct prompt is encoded once, then served from an
+        LRU cache of at most `prompt_cache_size` prompts (so a run over many prompts keeps bounded memory)."""
+        found = {}
+        for prompt in dict.fromkeys(prompts):
+            if prompt in self._prompt_cache:
+                self._prompt_cache.move_to_end(prompt)  # most recently used
+                found[prompt] = self._prompt_cache[prompt]
+        missing = [p for p in dict.fromkeys(prompts) if p not in found]
         if missing:
             encoded = self.family.encode(self.pipe, missing, self.device, self.max_sequence_length)
             for i, prompt in enumerate(missing):
-                self._prompt_cache[prompt] = {k: v[i : i + 1].detach() for k, v in encoded.items()}
-        keys = self._prompt_cache[prompts[0]].keys()
-        return {k: torch.cat([self._prompt_cache[p][k] for p in prompts]) for k in keys}
+                # clone: a row view would keep the whole encoded batch alive for as long as one row is cached
+                found[prompt] = {k: v[i : i + 1].detach().clone() for k, v in encoded.items()}
+                if self.prompt_cache_size > 0:
+                    self._prompt_cache[prompt] = found[prompt]
+            while len(self._prompt_cache) > self.prompt_cache_size:
+                self._prompt_cache.popitem(last=False)  # evict the least recently used
+        keys = found[prompts[0]].keys()
+        return {k: torch.cat([found[p][k] for p in prompts]) for k in keys}
 
     def latent_shape(self) -> tuple[int, ...]:
         return self.family.latent_shape(self.pipe, self.height, self.width, self.frames)
@@ -101,9 +116,21 @@ class Policy:
         transformer = transformer if transformer is not None else self.transformer
         cond = {k: v.to(self.device, self.dtype) for k, v in cond.items()}
         neg = None if self.negative_cond is None else {k: v.to(self.device, self.dtype) for k, v in self.negative_cond.items()}
-        out = self.family.forward(self.pipe, transformer, latents.to(self.device, self.dtype),
-                                  sigma.to(self.device, torch.float32), cond, self.guidance, neg)
+        amp = torch.autocast(self.device.type, dtype=self.dtype) if self.autocast else contextlib.nullcontext()
+        with amp:  # fp32 master weights: matmuls run in the policy dtype, as on the rollout ranks
+            out = self.family.forward(self.pipe, transformer, latents.to(self.device, self.dtype),
+                                      sigma.to(self.device, torch.float32), cond, self.guidance, neg)
         return out.to(torch.float32)
+
+    def freeze_reference(self) -> None:
+        """Full fine-tuning with a KL term: keep a frozen copy of the transformer *as it is now* as the reference.
+
+        Call it once, on the initial weights: before a resumed checkpoint is loaded and before FSDP sharding
+        (main.py and Trainer do). With LoRA nothing is copied: the reference is the base with adapters off.
+        """
+        if self.reference_transformer is None and not has_lora(self.transformer):
+            # in the policy dtype: with fp32 master weights (enable_full_training) the values are bf16 ones anyway
+            self.reference_transformer = copy.deepcopy(self.transformer).requires_grad_(False).to(self.dtype)
 
     @contextlib.contextmanager
     def reference(self):
@@ -115,8 +142,9 @@ class Policy:
             finally:
                 self.transformer.enable_adapters()
         else:
-            if self.reference_transformer is None:
-                self.reference_transformer = copy.deepcopy(self.transformer).requires_grad_(False)
+            if self.reference_transformer is None:  # a lazy copy here would be of whatever weights we hold now
+                raise RuntimeError("full fine-tuning with a KL term needs policy.freeze_reference() on the initial "
+                                   "weights (before resuming or training)")
             yield self.reference_transformer
 
     @torch.no_grad()
@@ -127,7 +155,7 @@ class Policy:
 
 def load(name: str, path: str, device="cpu", dtype=torch.float32, height: int | None = None,
          width: int | None = None, frames: int | None = None, max_sequence_length: int = 512,
-         guidance: float | None = None) -> Policy:
+         guidance: float | None = None, prompt_cache_size: int = 64) -> Policy:
     """Load a pipeline directory (tiny or real weights) through the family's `from_pretrained`."""
     family = get_family(name)
     family.check_pretrained(path)
@@ -140,7 +168,7 @@ def load(name: str, path: str, device="cpu", dtype=torch.float32, height: int | 
             module.requires_grad_(False).eval()
     height = height or family.tiny_resolution
     return Policy(family, pipe, device, dtype, height, width or height, frames or family.tiny_frames,
-                  max_sequence_length, guidance)
+                  max_sequence_length, guidance, prompt_cache_size)
 
 
 def _quiet_libraries() -> None:
@@ -170,8 +198,20 @@ def add_lora(policy: Policy, rank: int, alpha: float, targets: tuple[str, ...] |
             p.data = p.data.float()  # bf16 base, fp32 adapters: updates of size lr*grad survive rounding
 
 
-def enable_full_training(policy: Policy) -> None:
+def enable_full_training(policy: Policy, fp32_master: bool = False) -> None:
+    """Train every transformer weight. With `fp32_master` and a lower-precision policy (bf16 on GPUs), the
+    trainable weights become float32 (so their gradients and AdamW state are float32 too) and the forward
+    runs under autocast in the policy dtype: the mixed precision of Flow-GRPO (accelerate bf16) and
+    DanceGRPO (fp32 master weights, FSDP bf16 compute). 16 bytes per parameter instead of 8, and an
+    update far below half a bf16 ulp (lr 1e-5 on weights ~1e-2) accumulates instead of rounding away.
+    Alternative not taken: bf16 weights with an fp32 copy held by the optimizer (~18 bytes per parameter,
+    the trainer's forward then bit-equal to the rollout's) or bf16 with stochastic rounding (8 bytes,
+    unbiased but noisy). Call it on trainer ranks only: rollout ranks keep the policy dtype."""
     policy.transformer.requires_grad_(True)
+    if fp32_master and policy.dtype != torch.float32:
+        for p in policy.transformer.parameters():
+            p.data = p.data.float()
+        policy.autocast = True
 
 
 def trainable_state(transformer) -> dict[str, torch.Tensor]:

@@ -1,7 +1,7 @@
 """soak.py: a leak check for long runs (not part of the test suite).
 
 Runs `main.py` for --steps DigenRL steps (default 200) of the tiny FLUX model on 2 CPU ranks
-(`--nproc 2 --threads 1 --eval-every 0 --save-every 10`), finds the ranks in <run>/pids/, and while
+(`--nproc 2 --threads 1 --eval-every 0 --save-every 10`), finds the ranks by their process names (dg<rank>-<role>), and while
 it runs samples every rank's RSS, open file descriptors and threads (psutil), keyed by the step in
 progress (the number of rows in <run>/metrics.jsonl). It prints, per rank, the figures at step 20
 and at the last step and their growth, writes every sample to <out>/<run>.samples.jsonl, and exits 1 if
@@ -9,6 +9,8 @@ any rank's RSS grew by 10% or more, or its fds or threads grew at all (or if the
 
     python soak.py                          # 200 steps: ~70 s on 2 idle cores (3 min when busy)
     python soak.py --steps 400 --out runs/soak
+    python soak.py --make-prompts 2000 --steps 300   # many distinct prompts: the prompt-embedding cache stays bounded
+    python soak.py --prompt-file my_prompts.txt --prompts-per-step 6
 
 A figure "at step s" is the median over the samples taken while steps s .. s+4 were in progress
 (the last step: the last five steps), so that a transient allocation inside one step, or a file
@@ -40,16 +42,35 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=200, help="RL steps to run (at least 30)")
     parser.add_argument("--out", default=os.path.join("runs", "soak"), help="folder for the run directory, its log and samples")
     parser.add_argument("--interval", type=float, default=0.2, help="seconds between samples")
+    parser.add_argument("--prompt-file", help="passed to main.py: one training prompt per line (colour reward: each "
+                        "line names exactly one of red, green, blue)")
+    parser.add_argument("--make-prompts", type=int, metavar="N", help="write N distinct colour-task prompts to "
+                        "<out>/<run>.prompts.txt and train on them (exercises the prompt-embedding cache bound)")
+    parser.add_argument("--prompts-per-step", type=int, default=3, help="passed to main.py (B)")
+    parser.add_argument("--prompt-cache-size", type=int, help="passed to main.py (unset = its default)")
     args = parser.parse_args(argv)
     if args.steps < FIRST + 2 * WINDOW:
         parser.error(f"--steps must be at least {FIRST + 2 * WINDOW} (figures at step {FIRST} and at the end)")
+    if args.prompt_file and args.make_prompts:
+        parser.error("give --prompt-file or --make-prompts, not both")
+    if args.make_prompts is not None and args.make_prompts < 1:
+        parser.error(f"--make-prompts must be a positive number of prompts, got {args.make_prompts}")
 
     name = time.strftime("soak-%Y%m%d-%H%M%S")
     run = os.path.join(args.out, name)
     os.makedirs(args.out, exist_ok=True)
     cmd = [sys.executable, os.path.join(ROOT, "main.py"), "--model", "flux", "--nproc", "2", "--threads", "1",
            "--eval-every", "0", "--save-every", "10", "--steps", str(args.steps), "--timeout-s", "120",
-           "--out-dir", args.out, "--run-name", name, "--no-progress"]
+           "--out-dir", args.out, "--run-name", name, "--no-progress", "--prompts-per-step", str(args.prompts_per_step)]
+    prompt_file = args.prompt_file
+    if args.make_prompts:
+        prompt_file = os.path.join(args.out, f"{name}.prompts.txt")
+        with open(prompt_file, "w") as f:
+            f.write("".join(line + "\n" for line in make_prompts(args.make_prompts)))
+    if prompt_file:
+        cmd += ["--prompt-file", os.path.abspath(prompt_file)]
+    if args.prompt_cache_size is not None:
+        cmd += ["--prompt-cache-size", str(args.prompt_cache_size)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     print(f"[soak] {' '.join(cmd)}", flush=True)
     start = time.monotonic()
@@ -65,6 +86,12 @@ def main(argv=None) -> int:
     return report(samples, args.steps, wall)
 
 
+def make_prompts(n: int) -> list[str]:
+    """n distinct prompts, each naming exactly one of red, green, blue (what the colour reward accepts)."""
+    colors, things = ("red", "green", "blue"), ("square", "circle", "field", "wall", "sky", "car", "flower")
+    return [f"a {colors[i % 3]} {things[(i // 3) % len(things)]}, variant {i}" for i in range(n)]
+
+
 def steps_done(metrics_path: str) -> int:
     """Rows in metrics.jsonl = steps finished = the index of the step in progress."""
     try:
@@ -74,19 +101,31 @@ def steps_done(metrics_path: str) -> int:
         return 0
 
 
+def find_ranks(launcher_pid: int) -> dict[str, tuple[psutil.Process, str]]:
+    """The launcher's rank processes, by the names they give themselves: "rank0" -> (process, role)."""
+    found = {}
+    try:
+        children = psutil.Process(launcher_pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return found
+    for child in children:
+        try:
+            name = child.name()
+        except psutil.NoSuchProcess:
+            continue
+        if name.startswith("dg") and "-" in name and name[2:].split("-")[0].isdigit():
+            rank, role = name[2:].split("-", 1)
+            found[f"rank{rank}"] = (child, role)
+    return found
+
+
 def sample_until_exit(launcher: subprocess.Popen, run: str, interval: float, out_path: str) -> list[dict]:
     procs: dict[str, tuple[psutil.Process, str]] = {}  # "rank0" -> (process, role)
     samples = []
     with open(out_path, "w") as out:
         while launcher.poll() is None:
-            pid_dir = os.path.join(run, "pids")
-            if len(procs) < 2 and os.path.isdir(pid_dir):  # ranks write their pid file at start-up
-                for entry in sorted(os.listdir(pid_dir)):
-                    rank = entry[: -len(".pid")]
-                    if rank not in procs:
-                        with open(os.path.join(pid_dir, entry)) as f:
-                            pid, role = f.read().split()
-                        procs[rank] = (psutil.Process(int(pid)), role)
+            if len(procs) < 2:  # each rank names its process dg<rank>-<role> (main._name_process)
+                procs.update(find_ranks(launcher.pid))
             step = steps_done(os.path.join(run, "metrics.jsonl"))
             for rank, (proc, role) in procs.items():
                 try:
