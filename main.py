@@ -59,22 +59,24 @@ def run_rank(cfg: config_lib.Config, rank: int, world: int, local_rank: int, mas
     tracer = Tracer(rank, groups.role, enabled=cfg.trace)
     tracer.align()
 
-    path = cfg.pretrained or models.tiny_pipeline_path(cfg.model, cfg.cache_dir)
+    path = cfg.pretrained or models.tiny_pipeline_path(cfg.model, cfg.cache_dir)  # a Hub id: the launcher fetched it
     policy = models.load(cfg.model, path, device, dtype, height=cfg.resolution or None, frames=cfg.frames or None,
                          max_sequence_length=cfg.text_len, guidance=cfg.guidance)
     torch.manual_seed(cfg.seed)  # identical LoRA init on every rank (the leader also publishes version 0)
     if cfg.lora:
-        targets = None if cfg.lora_targets == "attention" else _all_linear_targets(policy.transformer)
-        models.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, targets)
+        models.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
+        if cfg.init_lora:  # every rank starts from the file (rollout ranks also get it in the leader's publish)
+            models.load_init_lora(policy.transformer, cfg.init_lora)
     else:
         models.enable_full_training(policy)
     if cfg.grad_ckpt and groups.is_trainer:
         policy.transformer.enable_gradient_checkpointing()
     params = [p for p in policy.transformer.parameters() if p.requires_grad]
 
-    reward_fn = rewards.build_reward(cfg.reward, config_lib.reward_options(cfg))
-    prompts = config_lib.load_prompts(cfg.prompt_file) if cfg.prompt_file else rewards.color_prompts("train")
-    eval_prompts = rewards.color_prompts("eval") if cfg.prompt_file is None else prompts[: min(len(prompts), 8)]
+    source = config_lib.prompt_source(cfg)  # train prompts, held-out eval prompts, their metadata (infra/prompts.py)
+    reward_fn = rewards.build_reward(cfg.reward, config_lib.reward_options(cfg), config_lib.reward_probe(cfg, source))
+    reward_fn.prompt_metadata = source.train_metadata  # generation passes prompt ids; the reward looks metadata up
+    prompts, eval_prompts = source.train, source.eval
     sampling = SamplingConfig(cfg.num_steps, cfg.noise_level, cfg.timestep_fraction, cfg.algo, cfg.adv_clip)
     m = cfg.prompts_per_step // cfg.fragment_groups
     queue = gap.FragmentQueue(dist.PrefixStore("queue", store), m, cfg.timeout_s) if store is not None else None
@@ -98,7 +100,8 @@ def run_rank(cfg: config_lib.Config, rank: int, world: int, local_rank: int, mas
 
     run_dir, bar = None, None
     if rank == groups.leader:
-        run_dir = runio.RunDir(run_path, config_lib.to_json(cfg), cfg.tensorboard, cfg.keep_checkpoints)
+        wandb = dict(project=cfg.wandb_project, name=cfg.wandb_name, config=dataclasses.asdict(cfg)) if cfg.wandb else None
+        run_dir = runio.RunDir(run_path, config_lib.to_json(cfg), cfg.tensorboard, cfg.keep_checkpoints, wandb)
         if cfg.resume:
             run_dir.truncate_metrics(job.start_step)
         print(f"[digenrl] run dir {run_path}\n[digenrl] config {json.dumps(dataclasses.asdict(cfg), sort_keys=True)}", flush=True)
@@ -115,22 +118,22 @@ def run_rank(cfg: config_lib.Config, rank: int, world: int, local_rank: int, mas
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
             from rollout import evaluate
             with tracer.span("eval", step=step):
-                scores, images = evaluate(policy, eval_prompts, sampling, reward_fn)
+                scores, images = evaluate(policy, eval_prompts, sampling, reward_fn, metadata=source.eval_metadata)
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
             with tracer.span("checkpoint", step=step):
                 state = trainer.checkpoint_state()
         if rank == groups.leader:
             if scores is not None:
                 metrics["eval_reward"] = float(scores["total"].mean())
-                ext = "gif" if images.ndim == 5 else "png"
-                runio.save_image_grid(images, os.path.join(run_dir.path, "eval", f"step_{step + 1:06d}.{ext}"))
+                run_dir.log_eval(step, images, eval_prompts, scores["total"])
             run_dir.log(step, metrics)
             if state is not None:
                 with tracer.span("checkpoint", step=step):
                     state.update(step=step + 1, rng=runio.rng_state(), identity=runio.identity(cfg),
                                  config=dataclasses.asdict(cfg))
                     lora = models.lora_state_for_diffusers(policy.transformer, state["weights"]) if cfg.lora else None
-                    run_dir.save_checkpoint(step + 1, state, lora, policy.family.pipeline_class())
+                    meta = models.lora_metadata(policy.transformer) if cfg.lora else None  # alpha, rank, targets
+                    run_dir.save_checkpoint(step + 1, state, lora, policy.family.pipeline_class(), meta)
                 run_dir.plot_rewards()
         if bar is not None:
             bar.update(1)
@@ -151,6 +154,7 @@ def run_rank(cfg: config_lib.Config, rank: int, world: int, local_rank: int, mas
     spans = gather_spans(tracer, dst=groups.leader) if cfg.trace else None
     if run_dir is not None:
         run_dir.plot_rewards()
+        run_dir.close()
         if spans is not None:
             write_chrome_trace(spans, os.path.join(run_dir.path, "trace.json"))
             write_timeline_png(spans, os.path.join(run_dir.path, "timeline.png"), title=f"{cfg.model} {cfg.mode}")
@@ -158,12 +162,6 @@ def run_rank(cfg: config_lib.Config, rank: int, world: int, local_rank: int, mas
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
-
-
-def _all_linear_targets(transformer) -> list[str]:
-    import torch
-    return sorted({name.split(".")[-1] for name, mod in transformer.named_modules()
-                   if isinstance(mod, torch.nn.Linear) and ("blocks" in name)})
 
 
 def _shard(policy, groups, keep_reference: bool) -> None:
