@@ -100,7 +100,8 @@ def run_rank(cfg: config_lib.Config, rank: int, world: int, local_rank: int, mas
 
     run_dir, bar = None, None
     if rank == groups.leader:
-        wandb = dict(project=cfg.wandb_project, name=cfg.wandb_name, config=dataclasses.asdict(cfg)) if cfg.wandb else None
+        wandb = dict(project=cfg.wandb_project, name=cfg.wandb_name, config=dataclasses.asdict(cfg)) \
+            if cfg.wandb else None
         run_dir = runio.RunDir(run_path, config_lib.to_json(cfg), cfg.tensorboard, cfg.keep_checkpoints, wandb)
         if cfg.resume:
             run_dir.truncate_metrics(job.start_step)

@@ -1,4 +1,4 @@
-"""Prompt sources: the colour demo task, a plain text file, or a Flow-GRPO dataset folder; each split into train and eval.
+"""Prompt sources: the colour demo task, a plain text file, or a Flow-GRPO dataset folder, split into train and eval.
 
     source = load_prompt_source("dataset/geneval")     # Flow-GRPO layout: {train,test}_metadata.jsonl
     source = load_prompt_source("dataset/pickscore")   # Flow-GRPO layout: {train,test}.txt

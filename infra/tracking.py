@@ -32,7 +32,8 @@ class WandbTracker:
 
         self.wandb = wandb
         id_file = os.path.join(run_path, "wandb_id.txt")
-        run_id = open(id_file).read().strip() if os.path.isfile(id_file) else secrets.token_hex(6)  # not `random`: the run's RNG state stays untouched
+        # secrets, not `random`: the run's RNG state (saved in checkpoints) stays untouched
+        run_id = open(id_file).read().strip() if os.path.isfile(id_file) else secrets.token_hex(6)
         self.run = wandb.init(project=project, name=name or os.path.basename(os.path.normpath(run_path)),
                               config=config, dir=run_path, id=run_id, resume="allow")
         with open(id_file, "w") as f:

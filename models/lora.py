@@ -39,7 +39,8 @@ class Preset:
 _FLUX_ATTN = ("attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
               "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out")
 FLOW_GRPO = {
-    # Flow-GRPO scripts/train_flux.py: attention of both streams AND both feed-forwards, LoraConfig(r=64, lora_alpha=128).
+    # Flow-GRPO scripts/train_flux.py: attention of both streams AND both feed-forwards,
+    # LoraConfig(r=64, lora_alpha=128).
     "flux": Preset(_FLUX_ATTN + ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"),
                    64, 128.0, "Flow-GRPO scripts/train_flux.py"),
     # Flow-GRPO scripts/train_qwenimage_edit_plus.py (their Qwen-Image script): the same attention list plus the
@@ -102,8 +103,9 @@ def resolve_targets(transformer, family, spec: str | list | tuple | None):
         hits = [n for n, _ in transformer.named_modules() if _matches(n, target)]
         bad = [n for n in hits if n not in linear]
         if bad:
-            raise ValueError(f"LoRA target {target!r} names {bad[0]!r}, which is a {type(transformer.get_submodule(bad[0])).__name__}"
-                             ", not an nn.Linear; give module names that end at a linear layer")
+            kind = type(transformer.get_submodule(bad[0])).__name__
+            raise ValueError(f"LoRA target {target!r} names {bad[0]!r}, which is a {kind}, not an nn.Linear; give "
+                             "module names that end at a linear layer")
     if not any(_matches(n, t) for n in linear for t in targets):
         raise ValueError(f"LoRA targets {targets} match no linear layer of the {family.name} transformer")
     return targets

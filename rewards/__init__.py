@@ -9,11 +9,13 @@ one generic wrapper (``_per_frame``); ``temporal_consistency`` consumes the vide
 
 Rewards are combined with a spec string such as ``"color=1.0,jpeg_compressibility=0.1"``:
 ``build_reward(spec, options)`` returns a ``CombinedReward`` whose call gives one tensor per
-named reward plus their weighted sum under ``"total"`` (and the numeric ``info`` of custom rewards). ``parse_reward_spec`` and
+named reward plus their weighted sum under ``"total"`` (and the numeric ``info`` of custom
+rewards). ``parse_reward_spec`` and
 ``check_reward_options`` validate a spec without loading any model, so a CLI can fail fast
 before it spawns processes.
 
-Custom rewards (loaded by rewards/custom.py): a spec name ``path/to/file.py:function`` or ``package.module:function`` names
+Custom rewards (loaded by rewards/custom.py): a spec name ``path/to/file.py:function`` or
+``package.module:function`` names
 any callable with the reward signature above, e.g. ``--reward my_rewards.py:aesthetic=0.5,color=1``.
 It gets the images (or videos) as they are and returns [B] scores or Flow-GRPO's (scores, info); its
 metrics are keyed by the name as written. ``check_reward_options`` imports it (the file by path, so

@@ -1,7 +1,8 @@
 """Client for HTTP reward servers: the `remote` reward of rewards/__init__.py, in two wire protocols.
 
     python main.py --reward remote --remote-url http://reward-host:18085 --remote-protocol flow_grpo
-    python main.py --reward remote --remote-url http://127.0.0.1:18086 --remote-protocol flow_grpo --remote-score-key outputs
+    python main.py --reward remote --remote-url http://127.0.0.1:18086 --remote-protocol flow_grpo \
+        --remote-score-key outputs
 
 - `flow_grpo` (Flow-GRPO's reward servers: yifan123/reward-server app_geneval.py / app_deqa.py, and the UnifiedReward
   server): POST `pickle.dumps({"images": [JPEG bytes], "prompts": [str], "meta_datas": [dict], "only_strict": True})`

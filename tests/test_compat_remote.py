@@ -205,7 +205,8 @@ def write_dataset(folder, kind):
             (folder / name).write_text("\n".join(prompts) + "\n")
     else:
         for name, prompts, tag in (("train_metadata.jsonl", train, 7), ("test_metadata.jsonl", test, 9)):
-            rows = [{"tag": "colors", "tag_id": tag, "weight": 0.25 * (i + 1), "prompt": p} for i, p in enumerate(prompts)]
+            rows = [{"tag": "colors", "tag_id": tag, "weight": 0.25 * (i + 1), "prompt": p}
+                    for i, p in enumerate(prompts)]
             (folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
     return train, test
 
@@ -225,7 +226,8 @@ def test_geneval_style_server_with_a_metadata_dataset_wandb_and_tensorboard(tiny
     with pickle_server(geneval_answer) as (url, log):
         run_main(["--model", "flux", "--nproc", "2", *SMALL, "--steps", "2", "--eval-every", "2", "--eval-prompts", "2",
                   "--prompt-file", str(tmp_path / "geneval"), "--reward", f"remote=1,{custom}=0.5",
-                  "--remote-url", url, "--wandb", "--wandb-project", "compat", "--tensorboard", "--run-name", "geneval"],
+                  "--remote-url", url, "--wandb", "--wandb-project", "compat", "--tensorboard",
+                  "--run-name", "geneval"],
                  tmp_path, tiny_cache)
     run = tmp_path / "geneval"
     rows = read_metrics(run)
@@ -281,3 +283,35 @@ def test_deqa_style_server_with_a_text_dataset(tiny_cache, tmp_path):
     assert row["reward_mean"] * row["trajectories"] == pytest.approx(sum(server_train), abs=1e-4)
     assert row["eval_reward"] == pytest.approx(np.mean([float(s) for _, a in eval_calls for s in a["outputs"]]),
                                                abs=1e-5)
+
+
+def test_one_update_moves_the_policy_toward_the_servers_scores(tiny_cache):
+    """Learning from the server: after one optimizer step on a fragment scored by the server, the clipped policy
+    loss of the same trajectories is negative (it is 0 before: ratios 1, zero-mean advantages), i.e. the policy
+    now gives the trajectories the server scored higher more probability than those it scored lower."""
+    import gap
+    import models
+    import rewards
+    import tsp
+    from rollout import SamplingConfig, generate_fragment
+    from trainer import TrainConfig, Trainer
+
+    policy = models.load("flux", models.tiny_pipeline_path("flux"), "cpu", torch.float32, max_sequence_length=16)
+    models.enable_full_training(policy)
+    options = rewards.RewardOptions(remote_timeout_s=5.0, remote_retries=0, remote_protocol="flow_grpo")
+    spec = gap.fragment_spec(0, 0, 0, 1, 1, 4, 1)  # one group of 4 samples of one prompt
+    with pickle_server(geneval_answer) as (url, log):
+        options.remote_url = url
+        reward = rewards.build_reward("remote", options)
+        fragment = generate_fragment(policy, spec, ["a red image"], SamplingConfig(num_steps=3), reward, 0, 0)
+    torch.testing.assert_close(fragment.rewards, torch.tensor(log[0][1]["scores"], dtype=torch.float32))
+    assert fragment.advantages.abs().max() > 0.5  # the server's scores differ within the group
+    trainer = Trainer(policy, TrainConfig(lr=1e-3))
+    packs = tsp.per_timestep_packs(*fragment.latents.shape[:2])
+    masks, total = [[1.0] * len(p) for p in packs], sum(len(p) for p in packs)
+    trainer.accumulate(fragment, packs, masks, total)
+    before = trainer.step(reward.names)
+    trainer.accumulate(fragment, packs, masks, total)  # the same trajectories under the updated policy
+    after = trainer.step(reward.names)
+    assert abs(before["loss"]) < 1e-5 and before["ratio_min"] == before["ratio_max"] == 1.0
+    assert after["loss"] < -1e-4 and after["ratio_max"] > 1.0
