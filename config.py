@@ -211,7 +211,7 @@ def validate(c: Config, world_size: int) -> None:
     lora.check_targets_spec(c.lora_targets)
     if c.eval_prompts < 0:
         _bad(f"--eval-prompts must be >= 0 (0 = all), got {c.eval_prompts}")
-    if c.init_lora is not None:
+    if c.init_lora is not None and c.resume is None:  # a resumed run starts from its checkpoint
         path = models.resolve_pretrained(c.model, c.pretrained) if c.pretrained else models.tiny_pipeline_path(
             c.model, c.cache_dir)
         lora.check_init_lora(c.init_lora, c.lora, c.lora_rank, c.lora_alpha, family, path, c.lora_targets)

@@ -65,7 +65,7 @@ def run_rank(cfg: config_lib.Config, rank: int, world: int, local_rank: int, mas
     torch.manual_seed(cfg.seed)  # identical LoRA init on every rank (the leader also publishes version 0)
     if cfg.lora:
         models.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
-        if cfg.init_lora:  # every rank starts from the file (rollout ranks also get it in the leader's publish)
+        if cfg.init_lora and not cfg.resume:  # every rank starts from the file (a resumed run: from its checkpoint)
             models.load_init_lora(policy.transformer, cfg.init_lora)
     else:
         models.enable_full_training(policy)
