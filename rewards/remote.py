@@ -114,18 +114,20 @@ def _parse_answer(body: bytes, url: str, protocol: str, key: str, expected: int)
     if not isinstance(answer, dict) or key not in answer:
         found = sorted(map(str, answer)) if isinstance(answer, dict) else type(answer).__name__
         raise RemoteRewardError(f"reward server {url} sent a malformed response: no score key {key!r} (found "
-                                f"{found}); set --remote-score-key (GenEval: scores, DeQA / UnifiedReward: outputs)")
+                                f"{found}); set --remote-score-key (GenEval: scores, DeQA / UnifiedReward: outputs); "
+                                f"body {_quote(body)}")
     scores = answer[key]
     if isinstance(scores, np.ndarray) and scores.ndim == 1:
         scores = scores.tolist()
     if not isinstance(scores, (list, tuple)) or len(scores) != expected:
         raise RemoteRewardError(f"reward server {url} sent {scores!r:.200} as {key!r}; expected a list of "
-                                f"{expected} numbers (one per image)")
+                                f"{expected} numbers (one per image); body {_quote(body)}")
     # bool is an int in Python, but a server answering true/false has a bug.
     bad = [s for s in scores if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, float, np.number))
            or not math.isfinite(float(s))]
     if bad:
-        raise RemoteRewardError(f"reward server {url} sent non-finite or non-numeric scores {bad[:5]!r}")
+        raise RemoteRewardError(f"reward server {url} sent non-finite or non-numeric scores {bad[:5]!r}; "
+                                f"body {_quote(body)}")
     return [float(s) for s in scores]
 
 
