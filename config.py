@@ -33,10 +33,26 @@ class Config:
     model: str = field("flux", "model family: flux, qwenimage, wan, hunyuanvideo")
     pretrained: Optional[str] = field(None, "local diffusers pipeline directory; unset = the tiny offline pipeline (built once into the cache)")
     cache_dir: Optional[str] = field(None, "where tiny pipelines are built (default ~/.cache/digenrl or $DIGENRL_CACHE)")
-    reward: str = field("color", "reward spec, name=weight list, e.g. color=1.0,jpeg_compressibility=0.1")
+    reward: str = field("color", "reward spec, name=weight list, e.g. color=1.0,jpeg_compressibility=0.1, or my.py:fn "
+                        "(fn(images, prompts[, metadata]) -> scores | (scores, info))")
     clip_path: Optional[str] = field(None, "local CLIP directory for the clip_score reward")
     remote_url: Optional[str] = field(None, "http(s) URL of a reward server for the remote reward")
-    prompt_file: Optional[str] = field(None, "text file, one training prompt per line; unset = the colour task's prompts")
+    # remote reward server (rewards/remote.py)
+    remote_protocol: str = field("json", "json (base64 PNGs in JSON) or flow_grpo (Flow-GRPO's reward servers: pickled "
+                                 "JPEG batches with prompts and metadata, answers unpickled restricted to plain data)")
+    remote_score_key: str = field("scores", "key of the server's answer holding the scores: scores (GenEval-style), "
+                                  "outputs (DeQA / UnifiedReward-style)")
+    remote_timeout_s: float = field(30.0, "per request: longer tolerates a slow server, shorter retries a hung one sooner")
+    remote_retries: int = field(3, "retries after the first attempt (timeouts, connection errors, HTTP 5xx); more "
+                                "rides out server restarts, but a dead server takes longer to fail the run")
+    remote_batch_size: int = field(64, "images per request (Flow-GRPO: 64): larger = fewer round trips, bigger requests")
+    remote_frames: str = field("all", "videos: all (every frame sent as an image, scores averaged over frames) or "
+                               "middle (only the middle frame: F times cheaper, blind to motion)")
+    prompt_file: Optional[str] = field(None, "prompts: a Flow-GRPO dataset folder (train/test .txt or _metadata.jsonl; "
+                                       "evaluates on test) or a text file, one prompt per line (every ~10th line held "
+                                       "out, at most 8); unset = the colour task's prompts")
+    eval_prompts: int = field(8, "evaluation uses the first N held-out prompts (0 = all): more = a less noisy "
+                              "eval_reward, each costs one deterministic generation per evaluation")
     # placement and mechanisms
     mode: Optional[str] = field(None, "digenrl (all four mechanisms; the default), colocated, naive; explicit --placement/--gap/... flags instead give a custom mix")
     placement: Optional[str] = field(None, "colocated (every rank generates then trains) or disaggregated (separate rollout and trainer ranks)")
@@ -80,9 +96,16 @@ class Config:
     optimizer: str = field("adamw", "adamw, or sgd (plain gradient descent: the update is exactly -lr x gradient, so "
                            "two runs' weights differ as their gradients do; the equivalence tests use it)")
     lora: Optional[bool] = field(None, "LoRA on the transformer (--no-lora trains all weights); unset = off for tiny pipelines, on for --pretrained")
-    lora_rank: int = field(32, "LoRA rank: larger = more capacity and bigger weight publishes")
-    lora_alpha: float = field(64.0, "LoRA alpha (scale = alpha / rank)")
-    lora_targets: str = field("attention", "attention (Flow-GRPO's projections of the family) or all-linear (every linear in the blocks)")
+    lora_rank: Optional[int] = field(None, "LoRA rank: larger = more capacity and bigger weight publishes; unset = "
+                                     "the family's Flow-GRPO setting (FLUX, Qwen-Image 64; Wan 32) or --init-lora's")
+    lora_alpha: Optional[float] = field(None, "LoRA alpha (scale = alpha / rank); unset = the family's Flow-GRPO "
+                                        "setting (2 x rank) or --init-lora's")
+    lora_targets: str = field("flow_grpo", "flow_grpo (the family's published Flow-GRPO modules: FLUX and Qwen-Image "
+                              "attention + feed-forward, Wan attention), attention (attention projections only: fewer "
+                              "parameters), all-linear (every linear in the blocks: most capacity), or a comma list "
+                              "of module names; models/lora.py")
+    init_lora: Optional[str] = field(None, "start the LoRA from this diffusers LoRA file (or its folder, or a peft "
+                                     "adapter folder as Flow-GRPO saves); its rank and alpha are the defaults")
     fp32_master: bool = field(True, "full fine-tuning with a bf16 policy: trainers keep fp32 weights, gradients and AdamW "
                               "state and compute in bf16 under autocast (16 instead of 8 bytes per parameter); "
                               "--no-fp32-master keeps pure bf16: half the memory, but updates below half a bf16 ulp "
@@ -105,7 +128,12 @@ class Config:
     save_every: int = field(50, "checkpoint every N steps (0 = only at the end)")
     keep_checkpoints: int = field(2, "keep the last N checkpoints")
     resume: Optional[str] = field(None, "run directory to resume from its last checkpoint")
-    tensorboard: bool = field(False, "also log metrics to TensorBoard in the run directory")
+    tensorboard: bool = field(False, "also log metrics and eval images to TensorBoard in the run directory")
+    wandb: bool = field(False, "also log metrics, captioned eval images and the config to Weights & Biases "
+                        "(WANDB_MODE=offline: no network, sync later)")
+    wandb_project: str = field("digenrl", "W&B project")
+    wandb_name: Optional[str] = field(None, "W&B run name; unset = the run directory's name")
+    config: Optional[str] = field(None, "a run's config.json to start from (flags given override it); a new run")
     trace: Optional[bool] = field(None, "record per-rank spans -> trace.json + timeline.png; unset = on for runs of <= 200 steps")
     progress: bool = field(True, "tqdm progress bar on the leader")
 
@@ -125,7 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> Config:
-    return Config(**vars(build_parser().parse_args(argv)))
+    """Flags, on top of --resume RUN's or --config FILE's saved configuration if given (infra/saved_config.py)."""
+    from infra import saved_config
+    return saved_config.merge(build_parser(), argv, Config, resolve)
 
 
 def resolve(cfg: Config) -> Config:
@@ -148,7 +178,12 @@ def resolve(cfg: Config) -> Config:
         for name in MECHANISM_FIELDS[1:]:
             setattr(c, name, bool(getattr(c, name)))
     if c.lora is None:
-        c.lora = c.pretrained is not None
+        c.lora = c.pretrained is not None or c.init_lora is not None
+    if c.lora and (c.lora_rank is None or c.lora_alpha is None):
+        from models import lora
+        rank, alpha = lora.default_rank_alpha(c.model, c.init_lora)
+        c.lora_rank = rank if c.lora_rank is None else c.lora_rank
+        c.lora_alpha = alpha if c.lora_alpha is None else c.lora_alpha
     if c.max_stale_fragments is None:
         c.max_stale_fragments = c.rollout_ranks
     if c.trace is None:
@@ -167,9 +202,10 @@ def validate(c: Config, world_size: int) -> None:
     import models
     import rewards
 
-    models.get_family(c.model).check_frames(c.frames)
-    for name in ("steps", "prompts_per_step", "group_size", "fragment_groups", "tsp_pack", "lora_rank", "threads",
-                 "keep_checkpoints", "nproc"):
+    family = models.get_family(c.model)
+    family.check_frames(c.frames)
+    for name in ("steps", "prompts_per_step", "group_size", "fragment_groups", "tsp_pack", "threads",
+                 "keep_checkpoints", "nproc") + (("lora_rank",) if c.lora else ()):
         if getattr(c, name) < 1:
             _bad(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(c, name)}")
     if c.group_size < 2:
@@ -194,12 +230,22 @@ def validate(c: Config, world_size: int) -> None:
         _bad(f"--optimizer {c.optimizer!r} is not one of adamw, sgd")
     if c.algo not in ("flow_grpo", "dance_grpo"):
         _bad(f"--algo {c.algo!r} is not one of flow_grpo, dance_grpo")
-    if c.lora_targets not in ("attention", "all-linear"):
-        _bad(f"--lora-targets {c.lora_targets!r} is not one of attention, all-linear")
     if c.backend not in ("auto", "nccl", "gloo"):
         _bad(f"--backend {c.backend!r} is not one of auto, nccl, gloo")
     if c.backend == "nccl" and c.device == "cpu":
         _bad("--backend nccl needs CUDA tensors; with --device cpu use --backend gloo (or auto)")
+    from models import lora
+    lora.check_targets_spec(c.lora_targets)
+    if c.eval_prompts < 0:
+        _bad(f"--eval-prompts must be >= 0 (0 = all), got {c.eval_prompts}")
+    if c.init_lora is not None and c.resume is None:  # a resumed run starts from its checkpoint
+        path = models.resolve_pretrained(c.model, c.pretrained) if c.pretrained else models.tiny_pipeline_path(
+            c.model, c.cache_dir)
+        lora.check_init_lora(c.init_lora, c.lora, c.lora_rank, c.lora_alpha, family, path, c.lora_targets)
+    if c.wandb:
+        import importlib.util
+        if importlib.util.find_spec("wandb") is None:
+            _bad("--wandb needs the wandb package: pip install wandb")
     if c.device not in ("auto", "cpu", "cuda"):
         _bad(f"--device {c.device!r} is not one of auto, cpu, cuda")
     if c.dtype not in ("auto", "float32", "bfloat16"):
@@ -233,10 +279,12 @@ def validate(c: Config, world_size: int) -> None:
         _bad("--tag needs --gap and --tsp (the trainer group generates while it waits for streamed fragments, "
              "then trains them spread over all trainers)")
     rewards.check_reward_options(c.reward, reward_options(c))
-    if c.prompt_file is not None:
-        load_prompts(c.prompt_file)
+    source = prompt_source(c)
+    rewards.check_prompts(c.reward, source.train, "the training prompts")
+    rewards.check_prompts(c.reward, source.eval, "the evaluation prompts")
+    rewards.check_custom_rewards(c.reward, reward_probe(c, source))
     if c.pretrained is not None:
-        models.get_family(c.model).check_pretrained(c.pretrained)
+        family.check_pretrained(models.resolve_pretrained(c.model, c.pretrained))
     if c.resume is not None:
         from infra import rundir as runio
         runio.check_resume(c.resume, c)
@@ -244,18 +292,30 @@ def validate(c: Config, world_size: int) -> None:
 
 def reward_options(c: Config):
     import rewards
-    return rewards.RewardOptions(clip_path=c.clip_path, remote_url=c.remote_url)
+    return rewards.RewardOptions(clip_path=c.clip_path, remote_url=c.remote_url, remote_timeout_s=c.remote_timeout_s,
+                                 remote_retries=c.remote_retries, remote_protocol=c.remote_protocol,
+                                 remote_score_key=c.remote_score_key, remote_batch_size=c.remote_batch_size,
+                                 remote_frames=c.remote_frames)
 
 
-def load_prompts(path: str) -> list[str]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            prompts = [line.strip() for line in f if line.strip()]
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"--prompt-file {path!r} cannot be read: {exc}") from exc
-    if not prompts:
-        raise ValueError(f"--prompt-file {path!r} has no prompts (one per line expected)")
-    return prompts
+def prompt_source(c: Config):
+    """Train and eval prompts with their metadata (infra/prompts.py); eval cut to --eval-prompts."""
+    import rewards
+    from infra.prompts import load_prompt_source
+    source = load_prompt_source(c.prompt_file, rewards.color_prompts("train"), rewards.color_prompts("eval"))
+    if c.eval_prompts:
+        source.eval, source.eval_metadata = source.eval[:c.eval_prompts], source.eval_metadata[:c.eval_prompts]
+    return source
+
+
+def reward_probe(c: Config, source):
+    """The tiny batch a custom reward is dry-called on: 2 images (videos) of the run's size, its first prompts."""
+    import models
+    import rewards
+    family = models.get_family(c.model)
+    size = c.resolution or family.tiny_resolution
+    frames = (c.frames or family.tiny_frames) if family.is_video else 0
+    return rewards.probe_batch(source.train, source.train_metadata, size, size, frames)
 
 
 def to_json(c: Config) -> str:

@@ -41,6 +41,7 @@ class Rank:
     reward_fn: object
     prompts: list[str]
     eval_prompts: list[str]
+    eval_metadata: list | None  # one dict per evaluation prompt (its dataset row), for metadata-taking rewards
     sampling: object
     queue: object  # gap.FragmentQueue
     steps: range
@@ -109,13 +110,16 @@ def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple[str, int
                          max_sequence_length=cfg.text_len, guidance=cfg.guidance, prompt_cache_size=cfg.prompt_cache_size)
     torch.manual_seed(cfg.seed)  # identical LoRA init on every rank (the leader also publishes version 0)
     if cfg.lora:
-        targets = None if cfg.lora_targets == "attention" else _all_linear_targets(policy.transformer)
-        models.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, targets)
+        models.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
+        if cfg.init_lora and not cfg.resume:  # every rank starts from the file (a resumed run: from its checkpoint)
+            models.load_init_lora(policy.transformer, cfg.init_lora)
     else:
         models.enable_full_training(policy, fp32_master=cfg.fp32_master and groups.is_trainer)
     if cfg.grad_ckpt and groups.is_trainer:
         policy.transformer.enable_gradient_checkpointing()
-    prompts = config_lib.load_prompts(cfg.prompt_file) if cfg.prompt_file else rewards.color_prompts("train")
+    source = config_lib.prompt_source(cfg)  # train prompts, held-out eval prompts, their metadata (infra/prompts.py)
+    reward_fn = rewards.build_reward(cfg.reward, config_lib.reward_options(cfg), config_lib.reward_probe(cfg, source))
+    reward_fn.prompt_metadata = source.train_metadata  # generation passes prompt ids; the reward looks metadata up
     import gc
     gc.freeze()  # the libraries' and the model's long-lived objects leave the collector's scans: shorter GC pauses,
     # during which no thread (the liveness heartbeat included) can run
@@ -124,9 +128,8 @@ def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple[str, int
         from infra import rundir
         steps = range(rundir.checkpoint_step(rundir.check_resume(cfg.resume, cfg)), cfg.steps)
     r = Rank(cfg, rank, world, groups, store, tracer, policy,
-             params=[p for p in policy.transformer.parameters() if p.requires_grad],
-             reward_fn=rewards.build_reward(cfg.reward, config_lib.reward_options(cfg)), prompts=prompts,
-             eval_prompts=rewards.color_prompts("eval") if cfg.prompt_file is None else prompts[:min(len(prompts), 8)],
+             params=[p for p in policy.transformer.parameters() if p.requires_grad], reward_fn=reward_fn,
+             prompts=source.train, eval_prompts=source.eval, eval_metadata=source.eval_metadata,
              sampling=rollout.SamplingConfig(cfg.num_steps, cfg.noise_level, cfg.timestep_fraction, cfg.algo,
                                              cfg.adv_clip),
              queue=gap.FragmentQueue(dist.PrefixStore("queue", store), cfg.prompts_per_step) if store else None,
@@ -142,6 +145,7 @@ def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple[str, int
     spans = gather_spans(tracer, group=groups.world_data, dst=groups.leader) if cfg.trace else None
     if run_dir is not None:
         run_dir.plot_rewards()
+        run_dir.close()
         if spans is not None:
             write_chrome_trace(spans, os.path.join(run_dir.path, "trace.json"))
             write_timeline_png(spans, os.path.join(run_dir.path, "timeline.png"), title=f"{cfg.model} {cfg.mode}")
@@ -287,12 +291,12 @@ def trainer_rank(r: Rank):
             scores = images = state = None
             if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
                 with tracer.span("eval", step=step):
-                    scores, images = evaluate(policy, r.eval_prompts, r.sampling, r.reward_fn)
+                    scores, images = evaluate(policy, r.eval_prompts, r.sampling, r.reward_fn, metadata=r.eval_metadata)
             if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
                 with tracer.span("checkpoint", step=step):
                     state = trainer.checkpoint_state(keep=leader)
             if leader:
-                _leader_records(cfg, run_dir, policy, step, metrics, scores, images, state, tracer)
+                _leader_records(cfg, run_dir, policy, step, metrics, scores, images, r.eval_prompts, state, tracer)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", tag=int(metrics["tag_fragments"]),
@@ -328,7 +332,8 @@ def _run_dir(cfg, steps):
     from infra import rundir
 
     run_path = cfg.resume or os.path.join(cfg.out_dir, cfg.run_name or config_lib.default_run_name(cfg))
-    run_dir = rundir.RunDir(run_path, config_lib.to_json(cfg), cfg.tensorboard, cfg.keep_checkpoints)
+    wandb = dict(project=cfg.wandb_project, name=cfg.wandb_name, config=dataclasses.asdict(cfg)) if cfg.wandb else None
+    run_dir = rundir.RunDir(run_path, config_lib.to_json(cfg), cfg.tensorboard, cfg.keep_checkpoints, wandb)
     if cfg.resume:
         run_dir.truncate_metrics(steps.start)
     print(f"[digenrl] run dir {run_path}\n[digenrl] config {json.dumps(dataclasses.asdict(cfg), sort_keys=True)}",
@@ -336,21 +341,21 @@ def _run_dir(cfg, steps):
     return run_dir
 
 
-def _leader_records(cfg, run_dir, policy, step, metrics, scores, images, state, tracer) -> None:
+def _leader_records(cfg, run_dir, policy, step, metrics, scores, images, eval_prompts, state, tracer) -> None:
     import models
     from infra import rundir
 
     if scores is not None:
         metrics["eval_reward"] = float(scores["total"].mean())
-        ext = "gif" if images.ndim == 5 else "png"
-        rundir.save_image_grid(images, os.path.join(run_dir.path, "eval", f"step_{step + 1:06d}.{ext}"))
+        run_dir.log_eval(step, images, eval_prompts, scores["total"])
     run_dir.log(step, metrics)
     if state is not None:
         with tracer.span("checkpoint", step=step):
             state.update(step=step + 1, rng=rundir.rng_state(), identity=rundir.identity(cfg),
                          config=dataclasses.asdict(cfg))
             lora = models.lora_state_for_diffusers(policy.transformer, state["weights"]) if cfg.lora else None
-            run_dir.save_checkpoint(step + 1, state, lora, policy.family.pipeline_class())
+            meta = models.lora_metadata(policy.transformer) if cfg.lora else None  # alpha, rank, targets
+            run_dir.save_checkpoint(step + 1, state, lora, policy.family.pipeline_class(), meta)
         run_dir.plot_rewards()
 
 
@@ -366,12 +371,6 @@ def _name_process(name: str) -> None:
 def _progress_bar(cfg, steps):
     from tqdm import tqdm
     return tqdm(total=cfg.steps, initial=steps.start, desc=f"{cfg.model} {cfg.mode}", dynamic_ncols=True)
-
-
-def _all_linear_targets(transformer) -> list[str]:
-    import torch
-    return sorted({name.split(".")[-1] for name, mod in transformer.named_modules()
-                   if isinstance(mod, torch.nn.Linear) and ("blocks" in name)})
 
 
 def _shard(policy, groups, keep_reference: bool) -> None:

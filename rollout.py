@@ -102,7 +102,7 @@ def generate_fragment(policy, spec: FragmentSpec, prompts: list[str], cfg: Sampl
     final, (x_t, x_next, logp, t_idx, sigmas) = sample_trajectories(
         policy, cond, spec.init_seeds, spec.noise_seeds, cfg, keep, transformer)
     images = policy.decode(final)  # [m, 3, H, W] (video [m, F, 3, H, W]) in [0, 1]
-    scores = reward_fn(images, prompt_text)  # name -> [m]
+    scores = reward_fn(images, prompt_text, prompt_ids=spec.prompt_ids)  # name -> [m]; metadata looked up by prompt id
     total = scores["total"].to(torch.float32)
     parts = torch.stack([scores[k].to(torch.float32) for k in scores if k != "total"], dim=1)  # [m, n_rewards]
     advantages = grpo.group_advantages(total, spec.group_size, clip=cfg.adv_clip)  # [m]
@@ -117,14 +117,15 @@ def generate_fragment(policy, spec: FragmentSpec, prompts: list[str], cfg: Sampl
 
 
 @torch.no_grad()
-def evaluate(policy, prompts: list[str], cfg: SamplingConfig, reward_fn, seed: int = 1234):
-    """Deterministic evaluation (noise level 0, fixed seeds): returns (reward dict, images)."""
+def evaluate(policy, prompts: list[str], cfg: SamplingConfig, reward_fn, seed: int = 1234, metadata=None):
+    """Deterministic evaluation (noise level 0, fixed seeds): returns (reward dict, images). `metadata`: one dict per
+    prompt (its dataset row), passed to the reward."""
     det = dataclasses.replace(cfg, noise_level=0.0)
     cond = policy.encode_prompts(prompts)
     seeds = [seed + i for i in range(len(prompts))]
     final, _ = sample_trajectories(policy, cond, seeds, seeds, det)
     images = policy.decode(final)
-    return reward_fn(images, prompts), images
+    return (reward_fn(images, prompts) if metadata is None else reward_fn(images, prompts, metadata)), images
 
 
 # --- the rollout rank ------------------------------------------------------------------------------

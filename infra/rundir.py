@@ -4,9 +4,11 @@ runs/<name>/
   config.json            the resolved Config
   metrics.jsonl          one JSON object per step (see README's metrics glossary)
   reward_curve.png       train and eval reward per step
-  eval/step_000010.png   deterministic samples on held-out prompts (videos: .gif)
+  eval/step_000010.png   deterministic samples on held-out prompts (videos: .gif); also in TensorBoard / W&B
+  tensorboard/, wandb/   with --tensorboard / --wandb (infra/tracking.py); wandb_id.txt: the W&B run to resume
   checkpoints/step_000050/  state.pt (weights, optimizer, step, RNG, config) and, with LoRA,
                             pytorch_lora_weights.safetensors that `pipe.load_lora_weights` accepts
+                            (alpha, rank and targets in its header: diffusers' LoRA adapter metadata)
 Every file is written atomically (temporary name, flush, fsync, rename): a crash never leaves half a file.
 """
 from __future__ import annotations
@@ -62,16 +64,21 @@ def _grid(images: torch.Tensor, nrow: int | None) -> np.ndarray:
 class RunDir:
     """Owned by the trainer leader; every method is a no-op-free plain file operation."""
 
-    def __init__(self, path: str, config_json: str, tensorboard: bool = False, keep_checkpoints: int = 2):
+    def __init__(self, path: str, config_json: str, tensorboard: bool = False, keep_checkpoints: int = 2,
+                 wandb: dict | None = None):
+        """`wandb`: None, or WandbTracker's keyword arguments (project, name, config): infra/tracking.py."""
         self.path, self.keep = path, keep_checkpoints
         os.makedirs(os.path.join(path, "eval"), exist_ok=True)
         os.makedirs(os.path.join(path, "checkpoints"), exist_ok=True)
         atomic_write(os.path.join(path, "config.json"), lambda p: open(p, "w").write(config_json))
         self.metrics_path = os.path.join(path, "metrics.jsonl")
-        self.tb = None
+        self.tb = self.wandb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(os.path.join(path, "tensorboard"))
+        if wandb is not None:
+            from infra.tracking import WandbTracker
+            self.wandb = WandbTracker(path, **wandb)
 
     def log(self, step: int, metrics: dict) -> None:
         row = {"step": step, **{k: (float(v) if isinstance(v, (int, float, np.floating)) else v) for k, v in metrics.items()}}
@@ -82,6 +89,26 @@ class RunDir:
             for k, v in row.items():
                 if isinstance(v, float):
                     self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(step, row)
+
+    def log_eval(self, step: int, images: torch.Tensor, prompts: list[str], scores: torch.Tensor | None = None) -> None:
+        """The evaluation's samples: eval/step_N.png (videos .gif), TensorBoard's `eval` image, W&B captioned images."""
+        ext = "gif" if images.ndim == 5 else "png"
+        save_image_grid(images, os.path.join(self.path, "eval", f"step_{step + 1:06d}.{ext}"))
+        if self.tb is not None:  # one image: a row per sample (videos: its frames left to right)
+            strips = images if images.ndim == 4 else torch.cat(list(images.transpose(0, 1)), dim=-1)  # [B, 3, H, W*]
+            self.tb.add_image("eval", _grid(strips, 1), step, dataformats="HWC")
+            self.tb.add_text("eval_prompts", "  \n".join(f"{i}: {p}" for i, p in enumerate(prompts)), step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log_images(step, images, prompts, scores)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
     def read_metrics(self) -> list[dict]:
         if not os.path.isfile(self.metrics_path):
@@ -110,7 +137,10 @@ class RunDir:
             gc.collect()
 
     # --- checkpoints -------------------------------------------------------------------------
-    def save_checkpoint(self, step: int, state: dict, lora_layers: dict | None, pipeline_class) -> str:
+    def save_checkpoint(self, step: int, state: dict, lora_layers: dict | None, pipeline_class,
+                        lora_metadata: dict | None = None) -> str:
+        """`lora_metadata` (models.lora_metadata: rank, alpha, targets) goes into the LoRA file's header, where
+        `pipe.load_lora_weights` reads it back."""
         final = os.path.join(self.path, "checkpoints", f"step_{step:06d}")
         tmp = final + ".partial"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -119,7 +149,8 @@ class RunDir:
         with open(os.path.join(tmp, "meta.json"), "w") as f:  # what --resume checks, without loading state.pt
             json.dump({"step": state["step"], "identity": state["identity"]}, f)
         if lora_layers is not None:
-            pipeline_class.save_lora_weights(tmp, transformer_lora_layers=lora_layers)
+            pipeline_class.save_lora_weights(tmp, transformer_lora_layers=lora_layers,
+                                             transformer_lora_adapter_metadata=lora_metadata)
         for name in os.listdir(tmp):
             with open(os.path.join(tmp, name), "rb+") as f:
                 os.fsync(f.fileno())

@@ -7,8 +7,9 @@
     v = policy.velocity(x, torch.ones(1), cond)               # [1, tokens, channels]
 
 `load` is the one loading path for tiny and real weights (`Pipeline.from_pretrained`); a missing
-component is named in the error. LoRA comes from peft through diffusers' `add_adapter`; the
-reference policy is the same transformer with adapters disabled.
+component is named in the error; a Hub id is resolved to its local snapshot by `resolve_pretrained`.
+LoRA (models/lora.py) comes from peft through diffusers' `add_adapter`; the reference policy is the
+same transformer with adapters disabled.
 """
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ import collections
 import contextlib
 import copy
 import os
+import re
 
 import torch
 
 from .base import Family
 from .flux import FluxFamily
+from .lora import add_lora, load_init_lora, lora_metadata, lora_state_for_diffusers  # noqa: F401
 
 FAMILIES: dict[str, Family] = {"flux": FluxFamily()}
 try:  # the other families live in their own files; they register here when present
@@ -156,8 +159,9 @@ class Policy:
 def load(name: str, path: str, device="cpu", dtype=torch.float32, height: int | None = None,
          width: int | None = None, frames: int | None = None, max_sequence_length: int = 512,
          guidance: float | None = None, prompt_cache_size: int = 64) -> Policy:
-    """Load a pipeline directory (tiny or real weights) through the family's `from_pretrained`."""
+    """Load a pipeline directory or cached Hub id (tiny or real weights) through the family's `from_pretrained`."""
     family = get_family(name)
+    path = resolve_pretrained(name, path, local_only=True)  # the launcher fetched it (config.validate)
     family.check_pretrained(path)
     family.check_frames(frames)
     _quiet_libraries()
@@ -171,6 +175,25 @@ def load(name: str, path: str, device="cpu", dtype=torch.float32, height: int | 
                   max_sequence_length, guidance, prompt_cache_size)
 
 
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name, as the Hugging Face Hub spells repository ids
+
+
+def resolve_pretrained(name: str, path: str, local_only: bool = False) -> str:
+    """--pretrained as a local directory (as is) or a Hub id: the pipeline's own `download` (what `from_pretrained`
+    does with an id: only the files the pipeline needs) into the Hugging Face cache; returns the local snapshot."""
+    if os.path.exists(path) or not HUB_ID.fullmatch(path):
+        return path
+    _quiet_libraries()
+    try:
+        return get_family(name).pipeline_class().download(path, local_files_only=local_only)
+    except Exception as exc:  # noqa: BLE001  (offline, unknown repo, gated repo, ... : all mean "not available")
+        reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
+        raise FileNotFoundError(
+            f"--pretrained {path!r} is not a local directory, and as a Hugging Face Hub id it could not be fetched "
+            f"({reason}). Download it where there is network (`huggingface-cli download {path} --local-dir DIR`) "
+            "and pass --pretrained DIR, or set HF_HOME to a cache that holds it") from None
+
+
 def _quiet_libraries() -> None:
     import diffusers
     import transformers
@@ -182,20 +205,6 @@ def _quiet_libraries() -> None:
 
 def has_lora(transformer) -> bool:
     return bool(getattr(transformer, "peft_config", None))
-
-
-def add_lora(policy: Policy, rank: int, alpha: float, targets: tuple[str, ...] | None = None) -> None:
-    """Attach a LoRA adapter (peft) to the transformer; only its weights train. Trainable params in float32."""
-    from peft import LoraConfig
-
-    transformer = policy.transformer
-    transformer.requires_grad_(False)
-    config = LoraConfig(r=rank, lora_alpha=alpha, init_lora_weights="gaussian",
-                        target_modules=list(targets or policy.family.lora_targets))
-    transformer.add_adapter(config)
-    for p in transformer.parameters():
-        if p.requires_grad:
-            p.data = p.data.float()  # bf16 base, fp32 adapters: updates of size lr*grad survive rounding
 
 
 def enable_full_training(policy: Policy, fp32_master: bool = False) -> None:
@@ -217,25 +226,3 @@ def enable_full_training(policy: Policy, fp32_master: bool = False) -> None:
 def trainable_state(transformer) -> dict[str, torch.Tensor]:
     """name -> tensor of the trainable weights (LoRA only when LoRA is on), in a fixed order."""
     return {n: p for n, p in transformer.named_parameters() if p.requires_grad}
-
-
-def lora_state_for_diffusers(transformer, weights: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """LoRA weights in the layout `pipe.load_lora_weights` accepts (peft state dict keys).
-
-    `weights` (name -> whole tensor) replaces the module's own, e.g. the gathered weights of an FSDP-sharded model.
-
-    The file carries no alphas, so loaders (diffusers included) assume lora_alpha = rank, i.e. scale 1. We fold
-    each layer's scale (alpha / rank) into its B matrix, so the loaded LoRA computes what we trained."""
-    from peft.tuners.lora import LoraLayer
-    from peft.utils import get_peft_model_state_dict
-
-    state = get_peft_model_state_dict(transformer, state_dict=weights)
-    scale = {name: module.scaling["default"] for name, module in transformer.named_modules()
-             if isinstance(module, LoraLayer)}
-    out = {}
-    for key, value in state.items():
-        value = value.detach().cpu()
-        if ".lora_B." in key:
-            value = value * scale[key.split(".lora_B.")[0]]
-        out[key] = value.contiguous()
-    return out

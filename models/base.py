@@ -17,7 +17,7 @@ class Family:
     name: str = ""
     pipeline_class_name: str = ""  # the diffusers pipeline that loads this family
     required_components: tuple[str, ...] = ()  # subfolders a pretrained directory must have
-    lora_targets: tuple[str, ...] = ()  # Flow-GRPO-style attention projections of this architecture
+    lora_targets: tuple[str, ...] = ()  # the `attention` preset: attention projections (Flow-GRPO's: models/lora.py)
     uses_true_cfg = False  # Qwen-Image, Wan: conditional and unconditional branches in one batch
     is_video = False
     tiny_resolution = 32  # pixels of the tiny pipeline's images (height = width)

@@ -15,7 +15,8 @@ class FluxFamily(Family):
     name = "flux"
     pipeline_class_name = "FluxPipeline"
     required_components = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
-    # Flow-GRPO's FLUX LoRA targets: every attention projection of the double-stream blocks.
+    # The `attention` preset: every attention projection of both streams (and, by suffix, of the single blocks).
+    # Flow-GRPO's own FLUX list also adapts the feed-forward layers: models/lora.py FLOW_GRPO.
     lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
     default_guidance = 3.5

@@ -30,7 +30,8 @@ class QwenImageFamily(Family):
     name = "qwenimage"
     pipeline_class_name = "QwenImagePipeline"
     required_components = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
-    # Every attention projection of the MMDiT blocks, image stream and text stream (Flow-GRPO's Qwen-Image LoRA).
+    # The `attention` preset: every attention projection of the MMDiT blocks, image and text streams. Flow-GRPO's
+    # Qwen-Image list also adapts img_mlp / txt_mlp: models/lora.py FLOW_GRPO.
     lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
     uses_true_cfg = True

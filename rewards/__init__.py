@@ -1,22 +1,26 @@
 """Reward functions for RL on image/video generators, and the registry that names them.
 
-A reward is a callable ``fn(images, prompts) -> Tensor[B]`` (float32, on the CPU), where
+A reward is a callable ``fn(images, prompts[, metadata]) -> Tensor[B]`` (float32, on the CPU), where
 ``images`` are float tensors in [0, 1], ``[B, 3, H, W]`` for images or ``[B, F, 3, H, W]``
-for videos, and ``prompts`` is a list of B strings. Image rewards given a video are applied
-to every frame and averaged over frames by one generic wrapper (``_per_frame``);
-``temporal_consistency`` consumes the video itself and ``remote`` (rewards/remote.py) sends the middle frame.
+for videos, ``prompts`` is a list of B strings and ``metadata`` a list of B dicts (each prompt's dataset
+row; infra/prompts.py). Image rewards given a video are applied to every frame and averaged over frames by
+one generic wrapper (``_per_frame``); ``temporal_consistency`` consumes the video itself and ``remote``
+(rewards/remote.py) sends every frame (or the middle one) to the server. rewards/checked.py wraps each fn.
 
 Rewards are combined with a spec string such as ``"color=1.0,jpeg_compressibility=0.1"``:
 ``build_reward(spec, options)`` returns a ``CombinedReward`` whose call gives one tensor per
-named reward plus their weighted sum under ``"total"``. ``parse_reward_spec`` and
+named reward plus their weighted sum under ``"total"`` (and the numeric ``info`` of custom
+rewards). ``parse_reward_spec`` and
 ``check_reward_options`` validate a spec without loading any model, so a CLI can fail fast
 before it spawns processes.
 
-Custom rewards (loaded by rewards/custom.py): a spec name ``path/to/file.py:function`` or ``package.module:function`` names
+Custom rewards (loaded by rewards/custom.py): a spec name ``path/to/file.py:function`` or
+``package.module:function`` names
 any callable with the reward signature above, e.g. ``--reward my_rewards.py:aesthetic=0.5,color=1``.
-It gets the images (or videos) as they are and must return [B] scores; its metrics are keyed
-by the name as written. ``check_reward_options`` imports it (the file by path, so spawned rank
-processes find it without sys.path) and checks that the attribute exists and is callable.
+It gets the images (or videos) as they are and returns [B] scores or Flow-GRPO's (scores, info); its
+metrics are keyed by the name as written. ``check_reward_options`` imports it (the file by path, so
+spawned rank processes find it without sys.path) and checks that the attribute exists and is callable;
+``build_reward(..., probe=probe_batch(...))`` dry-calls it.
 A non-finite score is passed on as it is: the trainer skips that step (``--max-bad-steps``).
 
 Try it:
@@ -39,8 +43,9 @@ import torch
 from einops import rearrange
 from PIL import Image
 
+from rewards.checked import CheckedReward, CombinedReward, probe_batch, takes_metadata  # noqa: F401
 from rewards.custom import CUSTOM_FORMS, is_custom, load_custom_reward, split_custom
-from rewards.remote import RemoteRewardError, remote_scorer  # noqa: F401  (RemoteRewardError is re-exported)
+from rewards.remote import PROTOCOLS, RemoteRewardError, remote_scorer  # noqa: F401  (re-exported)
 
 RewardFn = Callable[[torch.Tensor, list[str]], torch.Tensor]
 
@@ -54,6 +59,10 @@ class RewardOptions:
     remote_timeout_s: float = 30.0  # per request; a slow server counts as a failed attempt
     remote_retries: int = 3  # retries after the first attempt, for timeouts/connection/5xx
     remote_backoff_s: float = 0.5  # sleep before retry k (0-based) is backoff * 2**k
+    remote_protocol: str = "json"  # "json" or "flow_grpo" (pickled JPEG batches; rewards/remote.py)
+    remote_score_key: str = "scores"  # the answer's key holding the scores (DeQA / UnifiedReward: "outputs")
+    remote_batch_size: int = 64  # images per request (Flow-GRPO's clients send 64)
+    remote_frames: str = "all"  # videos: "all" frames scored as images and averaged, or only the "middle" one
     device: str = "cpu"  # where model-based rewards (CLIP) run
 
 
@@ -85,44 +94,24 @@ def _register(name: str, video: str) -> Callable:
     return decorate
 
 
-def _checked(fn: RewardFn, name: str) -> RewardFn:
-    """Validate inputs once for every reward, and normalise the output to float32 CPU [B]."""
-
-    def reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        if images.dim() not in (4, 5) or images.shape[-3] != 3:
-            raise ValueError(f"reward {name!r}: expected images [B, 3, H, W] or videos "
-                             f"[B, F, 3, H, W], got shape {tuple(images.shape)}")
-        if len(prompts) != images.shape[0]:
-            raise ValueError(f"reward {name!r}: got {len(prompts)} prompts for a batch of "
-                             f"{images.shape[0]}; need one prompt per sample")
-        scores = fn(images.detach().float(), list(prompts))
-        try:  # custom rewards may return a list or an array; any [B] numbers will do
-            scores = torch.as_tensor(scores).detach().float().cpu()
-        except (TypeError, ValueError, RuntimeError) as error:
-            raise TypeError(f"reward {name!r} returned {type(scores).__name__}, not a tensor of "
-                            f"{images.shape[0]} scores: {error}") from None
-        # NaN/inf scores are deliberately passed on: the trainer skips a non-finite step and
-        # aborts after --max-bad-steps in a row, which says more than an error here would.
-        if scores.shape != (images.shape[0],):
-            raise RuntimeError(f"reward {name!r} returned shape {tuple(scores.shape)}, "
-                               f"expected ({images.shape[0]},)")
-        return scores
-
-    reward.__name__ = name
-    return reward
+def _checked(fn, name: str) -> CheckedReward:
+    """Validate inputs once for every reward, and normalise the output to float32 CPU [B] (rewards/checked.py)."""
+    return CheckedReward(fn, name)
 
 
-def _per_frame(fn: RewardFn) -> RewardFn:
-    """Apply an image reward to each frame of a video and average over frames."""
+def _per_frame(fn):
+    """Apply an image reward to each frame of a video and average over frames (metadata repeated per frame)."""
+    wants_metadata = takes_metadata(fn)
 
-    def reward(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
+    def reward(images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
         if images.dim() == 4:
-            return fn(images, prompts)
+            return fn(images, prompts, metadata) if wants_metadata else fn(images, prompts)
         num_frames = images.shape[1]
         frames = rearrange(images, "b f c h w -> (b f) c h w")  # [B*F, 3, H, W]
         frame_prompts = [p for p in prompts for _ in range(num_frames)]  # same b-major order
-        scores = fn(frames, frame_prompts)  # [B*F]
-        return rearrange(scores, "(b f) -> b f", f=num_frames).mean(dim=1)  # [B]
+        frame_metadata = [m for m in metadata for _ in range(num_frames)]
+        scores = fn(frames, frame_prompts, frame_metadata) if wants_metadata else fn(frames, frame_prompts)  # [B*F]
+        return rearrange(torch.as_tensor(scores, dtype=torch.float32), "(b f) -> b f", f=num_frames).mean(dim=1)  # [B]
 
     return reward
 
@@ -249,18 +238,28 @@ def _make_temporal_consistency(options: RewardOptions) -> RewardFn:
 
 @_register("remote", video="own")
 def _make_remote(options: RewardOptions) -> RewardFn:
-    """Scores from an HTTP reward server (rewards/remote.py): videos send their middle frame only."""
-    score = remote_scorer(options.remote_url, options.remote_timeout_s, options.remote_retries, options.remote_backoff_s)
+    """Scores from an HTTP reward server (rewards/remote.py). A video sends every frame as an image (prompt and
+    metadata repeated) and scores the mean over frames, or only its middle frame (remote_frames="middle")."""
+    score = remote_scorer(options.remote_url, options.remote_timeout_s, options.remote_retries,
+                          options.remote_backoff_s, options.remote_protocol, options.remote_score_key,
+                          options.remote_batch_size)
+    middle_only = options.remote_frames == "middle"
 
-    def remote(images: torch.Tensor, prompts: list[str]) -> torch.Tensor:
-        if images.dim() == 5:
-            images = images[:, images.shape[1] // 2]  # [B, 3, H, W], the middle frame
-        return score(to_pil_images(images), prompts)
+    def remote(images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
+        if images.dim() == 4:
+            return score(to_pil_images(images), prompts, metadata)
+        if middle_only:
+            return score(to_pil_images(images[:, images.shape[1] // 2]), prompts, metadata)  # [B]
+        num_frames = images.shape[1]
+        frames = rearrange(images, "b f c h w -> (b f) c h w")  # [B*F, 3, H, W]
+        scores = score(to_pil_images(frames), [p for p in prompts for _ in range(num_frames)],
+                       [m for m in metadata for _ in range(num_frames)])  # [B*F]
+        return rearrange(scores, "(b f) -> b f", f=num_frames).mean(dim=1)  # [B]
 
     return remote
 
 
-def make_reward(name: str, options: RewardOptions | None = None) -> RewardFn:
+def make_reward(name: str, options: RewardOptions | None = None) -> CheckedReward:
     """One reward fn by spec name: a registered one, or a custom function (shape-checked)."""
     if is_custom(name):
         return _checked(load_custom_reward(name), name)
@@ -315,34 +314,48 @@ def check_reward_options(spec: str | Mapping[str, float], options: RewardOptions
             raise ValueError(f"reward 'remote' needs --remote-url starting with http:// or "
                              f"https://, got {options.remote_url!r}")
         if options.remote_timeout_s <= 0 or options.remote_retries < 0 \
-                or options.remote_backoff_s < 0:
-            raise ValueError(f"remote reward needs timeout > 0, retries >= 0, backoff >= 0; "
-                             f"got timeout {options.remote_timeout_s}, retries "
-                             f"{options.remote_retries}, backoff {options.remote_backoff_s}")
+                or options.remote_backoff_s < 0 or options.remote_batch_size < 1:
+            raise ValueError(f"remote reward needs timeout > 0, retries >= 0, backoff >= 0, batch size >= 1; "
+                             f"got timeout {options.remote_timeout_s}, retries {options.remote_retries}, "
+                             f"backoff {options.remote_backoff_s}, batch size {options.remote_batch_size}")
+        if options.remote_protocol not in PROTOCOLS:
+            raise ValueError(f"--remote-protocol {options.remote_protocol!r} is not one of {', '.join(PROTOCOLS)}")
+        if options.remote_frames not in ("all", "middle"):
+            raise ValueError(f"--remote-frames {options.remote_frames!r} is not one of all, middle")
+        if not options.remote_score_key:
+            raise ValueError("--remote-score-key must name the answer's score key (e.g. scores, outputs)")
 
 
-class CombinedReward:
-    """Several named rewards and their weighted sum; call -> {name: [B], ..., "total": [B]}."""
+# ---------------------------------------------------------------- what a reward needs of the prompts
 
-    def __init__(self, fns: Mapping[str, RewardFn], weights: Mapping[str, float]):
-        if set(fns) != set(weights):
-            raise ValueError(f"reward fns {sorted(fns)} and weights {sorted(weights)} differ")
-        self.fns = dict(fns)
-        self.weights = dict(weights)
-
-    @property
-    def names(self) -> list[str]:
-        return list(self.fns)
-
-    def __call__(self, images: torch.Tensor, prompts: list[str]) -> dict[str, torch.Tensor]:
-        scores = {name: fn(images, prompts) for name, fn in self.fns.items()}  # each [B]
-        scores["total"] = sum(self.weights[n] * scores[n] for n in self.fns)  # [B]
-        return scores
+PROMPT_RULES: dict[str, Callable[[str], object]] = {"color": prompt_color}  # raises ValueError on a bad prompt
 
 
-def build_reward(spec: str, options: RewardOptions | None = None) -> CombinedReward:
-    """Validate ``spec`` and ``options`` first, then build (load) every named reward."""
+def check_prompts(spec: str, prompts: list[str], where: str) -> None:
+    """Raise naming the first prompt a reward of ``spec`` cannot score (e.g. color: no colour word)."""
+    for name in parse_reward_spec(spec):
+        rule = PROMPT_RULES.get(name)
+        for index, prompt in enumerate(prompts if rule else []):
+            try:
+                rule(prompt)
+            except ValueError as error:
+                raise ValueError(f"reward {name!r} cannot score prompt {index + 1} of {where}: {error}") from None
+
+
+def check_custom_rewards(spec: str, probe) -> None:
+    """Dry-call the custom rewards of ``spec`` on ``probe`` (probe_batch): a wrong return is refused, named."""
+    weights = {n: w for n, w in parse_reward_spec(spec).items() if is_custom(n)}
+    if weights:
+        CombinedReward({name: make_reward(name) for name in weights}, weights).probe(*probe)
+
+
+def build_reward(spec: str, options: RewardOptions | None = None, probe=None) -> CombinedReward:
+    """Validate ``spec`` and ``options`` first, then build (load) every named reward; ``probe`` (a probe_batch)
+    dry-calls the custom ones."""
     options = options or RewardOptions()
     weights = parse_reward_spec(spec)
     check_reward_options(weights, options)
-    return CombinedReward({name: make_reward(name, options) for name in weights}, weights)
+    reward = CombinedReward({name: make_reward(name, options) for name in weights}, weights)
+    if probe is not None:
+        reward.probe(*probe)
+    return reward

@@ -2,8 +2,10 @@
 
     python main.py --reward my_rewards.py:aesthetic=0.5,color=1
 
-The function is called as fn(images, prompts) -> [B] scores, with images float in [0, 1], [B, 3, H, W]
-(or videos [B, F, 3, H, W]). Files are imported by path (not through sys.path), so spawned rank
+The function is called as fn(images, prompts) or, when it takes a third argument, fn(images, prompts, metadata)
+(Flow-GRPO's form; metadata is one dict per sample, the dataset row of its prompt), with images float in [0, 1],
+[B, 3, H, W] (or videos [B, F, 3, H, W]). It returns [B] scores or (scores, info) with info a dict of values to
+log (rewards/checked.py); before any rank starts, one dry call on a 2-image batch checks what it returns. Files are imported by path (not through sys.path), so spawned rank
 processes load them too, and each file runs once per process. Every failure (missing file or module,
 import error, missing or non-callable attribute, wrong signature) is a ValueError naming the bad part
 and the allowed forms, raised by `load_custom_reward` before any rank starts (rewards.check_reward_options).
@@ -106,10 +108,14 @@ def load_custom_reward(name: str) -> Callable:
         raise ValueError(f"custom reward {name!r}: {attribute!r} in {target!r} is not callable "
                          f"(type {type(fn).__name__}); need a function fn(images, prompts) -> [B]")
     try:  # catch a wrong signature now rather than in every rank at the first reward
-        inspect.signature(fn).bind(None, None)
-    except TypeError:
-        raise ValueError(f"custom reward {name!r}: {attribute}{inspect.signature(fn)} cannot "
-                         f"be called as fn(images, prompts)") from None
-    except ValueError:  # some builtins have no signature; let the call decide
-        pass
-    return fn
+        signature = inspect.signature(fn)
+    except ValueError:  # some builtins have no signature; the dry call (CombinedReward.probe) decides
+        return fn
+    for arity in (2, 3):
+        try:
+            signature.bind(*[None] * arity)
+            return fn
+        except TypeError:
+            pass
+    raise ValueError(f"custom reward {name!r}: {attribute}{signature} cannot be called as fn(images, prompts) "
+                     "nor as fn(images, prompts, metadata)")

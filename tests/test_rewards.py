@@ -236,7 +236,7 @@ def remote_reward(url, **overrides):
     return REWARDS["remote"](**{**options, **overrides})
 
 
-def test_remote_scores_and_middle_frame():
+def test_remote_scores_and_video_frames():
     levels = torch.tensor([51, 102, 204]) / 255  # exact in uint8, so the PNG round trip is exact
     images = levels[:, None, None, None].expand(3, 3, 8, 8)  # [B=3, 3, 8, 8]
     with reward_server(mean_pixel_scores) as (url, requests):
@@ -244,7 +244,10 @@ def test_remote_scores_and_middle_frame():
         torch.testing.assert_close(scores, levels.float())
         assert requests[0]["prompts"] == ["a", "b", "c"]
         video = levels[None, :, None, None, None].expand(1, 3, 3, 8, 8)  # frames 0.2, 0.4, 0.8
-        torch.testing.assert_close(remote_reward(url)(video, ["v"]), levels[1:2].float())
+        torch.testing.assert_close(remote_reward(url, remote_frames="middle")(video, ["v"]), levels[1:2].float())
+        # Default: every frame is scored as an image (prompt repeated) and the video scores their mean.
+        torch.testing.assert_close(remote_reward(url)(video, ["v"]), levels.mean()[None].float())
+        assert requests[-1]["prompts"] == ["v"] * 3 and len(requests[-1]["images"]) == 3
 
 
 def test_remote_retries_5xx_then_succeeds():

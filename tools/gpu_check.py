@@ -105,7 +105,7 @@ def gpu_check(size: str, device_name: str, out_dir: str) -> int:
     with torch.no_grad():
         out["bare_forward_s"] = _timed(lambda: transformer(**kwargs), 5, sync)
     out["ours_rollout_step_s"] = _timed(ours, 2, sync) / t_steps
-    models.add_lora(policy, 32, 64.0)  # Flow-GRPO's attention targets; adapters in float32 (as training uses them)
+    models.add_lora(policy, 32, 64.0, "attention")  # attention projections; adapters in float32 (as training uses them)
     lora = [p for p in transformer.parameters() if p.requires_grad]
     out["ours_rollout_step_lora_fp32_s"] = _timed(ours, 2, sync) / t_steps
 

@@ -1,0 +1,101 @@
+"""Reuse a run's saved configuration: `--config runs/x/config.json` (a new run) and `--resume runs/x` (the same run).
+
+    python main.py --config runs/x/config.json --steps 500      # every setting of x, 500 steps, a new run directory
+    python main.py --resume runs/x                             # continue x exactly as it was configured
+    python main.py --resume runs/x --steps 400 --eval-every 5  # allowed: changes what is run, not what is learned
+
+The saved config.json is the resolved Config a run wrote. Flags given on the command line override it:
+- with --config, any flag (the file is a starting point; its run name and resume path are dropped);
+- with --resume, only the fields in SAFE_ON_RESUME (how long, how often, where to log, how many ranks, timeouts); a
+  flag that changes what the checkpoint's weights and optimizer state mean (model, LoRA config, learning rate,
+  batch shape, rewards, prompts, ...) is refused with a message, and each accepted override is printed.
+Flags are compared after `resolve`, so repeating the original flags (e.g. --mode digenrl --no-async) is no change.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+
+SAFE_ON_RESUME = ("steps", "eval_every", "save_every", "keep_checkpoints", "timeout_s", "progress", "trace",
+                  "tensorboard", "wandb", "wandb_project", "wandb_name", "threads", "nproc", "rollout_ranks",
+                  "max_stale_fragments", "fsdp", "tsp_pack", "grad_ckpt", "max_bad_steps", "remote_url",
+                  "remote_timeout_s", "remote_retries", "remote_batch_size", "eval_prompts", "cache_dir",
+                  "out_dir", "run_name")
+IDENTITY = ("model", "pretrained", "lora", "lora_rank", "lora_alpha", "lora_targets")  # as infra.rundir.IDENTITY_FIELDS
+NOT_SAVED = ("resume", "config")  # describe the invocation, not the run
+_UNSET = object()
+
+
+def given_flags(parser: argparse.ArgumentParser, argv) -> dict:
+    """dest -> value of the flags present in argv (argparse leaves attributes already on the namespace alone)."""
+    namespace = argparse.Namespace(**{a.dest: _UNSET for a in parser._actions if a.dest != "help"})
+    parser.parse_args(argv, namespace=namespace)
+    return {k: v for k, v in vars(namespace).items() if v is not _UNSET}
+
+
+def read_saved(path: str, config_cls) -> dict:
+    """A config.json as Config keyword arguments (a resolved "custom" mode becomes None: its flags are explicit)."""
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"cannot read the saved configuration {path!r}: {exc}") from exc
+    if not isinstance(saved, dict):
+        raise ValueError(f"{path!r} is not a saved configuration (a JSON object of Config fields)")
+    names = {f.name for f in dataclasses.fields(config_cls)}
+    unknown = sorted(set(saved) - names)
+    if unknown:
+        print(f"[digenrl] {path}: ignoring fields this version does not have: {', '.join(unknown)}", file=sys.stderr)
+    saved = {k: v for k, v in saved.items() if k in names and k not in NOT_SAVED}
+    if saved.get("mode") == "custom":
+        saved["mode"] = None
+    return saved
+
+
+def _flag(name: str) -> str:
+    return "--" + {"use_async": "async"}.get(name, name).replace("_", "-")
+
+
+def merge(parser, argv, config_cls, resolve):
+    """Config from argv, on top of --resume RUN's or --config FILE's saved configuration when one is given."""
+    args = parser.parse_args(argv)
+    if args.resume is None and args.config is None:
+        return config_cls(**vars(args))
+    given = given_flags(parser, argv)
+    if args.resume is not None and args.config is not None:
+        raise ValueError("give --resume RUN (which reuses RUN/config.json) or --config FILE, not both")
+    if args.config is not None:
+        saved = read_saved(args.config, config_cls)
+        saved.pop("run_name", None)  # a new run: a fresh directory, not the saved run's
+        return config_cls(**{**saved, **given})
+    path = os.path.join(args.resume, "config.json")
+    from infra import rundir
+    if not os.path.isdir(args.resume):
+        raise ValueError(f"--resume {args.resume!r} is not a directory")
+    if not rundir.list_checkpoints(args.resume):
+        raise ValueError(f"--resume {args.resume!r} has no complete checkpoint under checkpoints/")
+    if not os.path.isfile(path):
+        raise ValueError(f"--resume {args.resume!r} has no config.json (is it a run directory?)")
+    saved = read_saved(path, config_cls)
+    before, after = resolve(config_cls(**saved)), resolve(config_cls(**{**saved, **given}))
+    changed = [f.name for f in dataclasses.fields(config_cls) if f.name not in NOT_SAVED
+               and getattr(before, f.name) != getattr(after, f.name)]
+    identity = [k for k in changed if k in IDENTITY]
+    if identity:  # the same words as infra.rundir.check_resume
+        raise ValueError(f"--resume {args.resume!r} was made with a different model or LoRA config: "
+                         + ", ".join(f"{k}: checkpoint {getattr(before, k)!r} vs now {getattr(after, k)!r}"
+                                     for k in identity))
+    unsafe = [k for k in changed if k not in SAFE_ON_RESUME]
+    if unsafe:
+        raise ValueError(f"--resume {args.resume!r}: {', '.join(_flag(k) for k in unsafe)} cannot change on resume ("
+                         + ", ".join(f"{k}: run {getattr(before, k)!r}, asked {getattr(after, k)!r}" for k in unsafe)
+                         + "); it would change what the checkpoint's weights and optimizer state mean. Safe to "
+                         f"change: {', '.join(_flag(k) for k in SAFE_ON_RESUME)}. For a new run from these settings: "
+                         f"--config {path} plus the new flags")
+    for k in changed:
+        print(f"[digenrl] --resume: {_flag(k)} {getattr(before, k)!r} -> {getattr(after, k)!r} (from the command line)",
+              file=sys.stderr)
+    return config_cls(**{**saved, **given, "resume": args.resume})
