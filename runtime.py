@@ -21,6 +21,7 @@ import async_policy
 import gap
 import tag
 import tsp
+from infra import emulate
 from rollout import generate_fragment
 
 TRAIN, ASSIST, IDLE = 1, 2, 3  # trainer-group commands broadcast by the leader under TSP
@@ -91,8 +92,11 @@ class Job:
                                  c.fragment_groups, shared_group_noise=(c.algo == "dance_grpo"))
 
     def generate(self, spec, version, producer) -> gap.Fragment:
-        with self.tracer.span("generate", step=spec.step, index=spec.index, version=version):
-            return generate_fragment(self.policy, spec, self.prompts, self.sampling, self.reward_fn, version, producer)
+        with self.tracer.span("generate", step=spec.step, index=spec.index, version=version,
+                              samples=len(spec.prompt_ids)):
+            with emulate.paced(emulate.speed_of(self.cfg.rank_speed, self.groups.rank)):  # bench only
+                return generate_fragment(self.policy, spec, self.prompts, self.sampling, self.reward_fn,
+                                         version, producer)
 
     @property
     def fragments_per_step(self) -> int:
@@ -115,8 +119,10 @@ def train_fragment(job: Job, trainer, fragment: gap.Fragment, spread: bool) -> N
         packs = tsp.per_timestep_packs(m, t_train)
         masks = [[1.0] * len(p) for p in packs]
     start = time.perf_counter()
-    with job.tracer.span("train", step=fragment.step, index=fragment.index):
-        trainer.accumulate(fragment.to(job.policy.device), packs, masks, job.total_pairs)
+    pairs = sum(int(sum(mask)) for mask in masks)  # real pairs (TSP padding excluded)
+    with job.tracer.span("train", step=fragment.step, index=fragment.index, pairs=pairs):
+        with emulate.paced(emulate.speed_of(job.cfg.rank_speed, job.groups.rank)):  # bench only
+            trainer.accumulate(fragment.to(job.policy.device), packs, masks, job.total_pairs)
     trainer.tag_estimates["train"].update(time.perf_counter() - start)
 
 
@@ -357,7 +363,8 @@ def _assist(job: Job, trainer, step: int, index: int) -> gap.Fragment:
         rows = slice(lo * spec.group_size, hi * spec.group_size)
         sub = dataclasses.replace(spec, prompt_ids=spec.prompt_ids[rows], init_seeds=spec.init_seeds[rows],
                                   noise_seeds=spec.noise_seeds[rows])
-        with job.tracer.span("tag", step=step, index=index):
+        with job.tracer.span("tag", step=step, index=index, samples=len(sub.prompt_ids)), \
+                emulate.paced(emulate.speed_of(job.cfg.rank_speed, g.rank)):  # bench only
             mine = generate_fragment(job.policy, sub, job.prompts, job.sampling, job.reward_fn,
                                      trainer.version, TAG_PRODUCER)
     shares = [tag.split_groups(groups, k, r) for r in range(k)]
