@@ -215,7 +215,8 @@ def test_time_to_reward_over_seeds(tmp_path, capsys):
     fast, col = table["labels"]["fast"], table["labels"]["colocated"]
     assert fast["time_to_target_s"] == pytest.approx([2.5, 3.0])  # 0.1 x 4 = 0.4; 0.08 x 5 = 0.4
     assert col["time_to_target_s"] == [None, 6.0]  # 0.07 x 5 = 0.35 never reaches; 0.09 x 5 = 0.45
-    assert fast["reward_at_wall"] == pytest.approx([0.3, 0.24]) and col["reward_at_wall"] == pytest.approx([0.07, 0.09])
+    assert fast["reward_at_wall"] == pytest.approx([0.3, 0.24])
+    assert col["reward_at_wall"] == pytest.approx([0.07, 0.09])
     text = capsys.readouterr().out
     assert "1/2 reached" in text and "2/2 reached" in text
     assert out.stat().st_size > 1000 and (tmp_path / "curves_wall.png").stat().st_size > 1000

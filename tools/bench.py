@@ -3,7 +3,7 @@
     python tools/bench.py --quick --validate            # tiny FLUX, 2 CPU ranks, 6 modes; + simulate.py
     python tools/bench.py --quick --hetero 0=0.5        # + rank 0 at half speed: measured vs predicted
     python tools/bench.py --modes naive,digenrl --nproc 4 --rollout-ranks 2 --steps 10
-    python tools/bench.py --device cuda --size flux-12b  # GPU check: our overhead vs the bare transformer
+    python tools/bench.py --device cuda --size flux-12b  # GPU check: overhead vs the bare transformer
 
 Each mode runs as `python main.py ... --trace`; its trace.json is parsed back into spans and its
 metrics.jsonl gives the step times (step 0 is warm-up and excluded). Per mode: steps/s,
@@ -139,7 +139,7 @@ def sim_setup(args, w: dict, rank_speed: dict | None = None):
 
 
 def validate(rows: list[dict], w: dict, args) -> simulate.Costs:
-    """simulate.py's step time from this run's per-op costs next to the measured one; writes costs.json."""
+    """simulate.py's step time from this run's per-op costs beside the measured one; writes costs.json."""
     dec_rew = decode_reward_s(args, w["m"])
     costs = measured_costs(rows, w, dec_rew)
     workload, cluster = sim_setup(args, w)
@@ -182,8 +182,9 @@ def hetero(args, w: dict, costs: simulate.Costs) -> list[dict]:
     compare(rows, costs, workload, cluster)
     by = {r["mode"]: r for r in rows}
     if "colocated" in by and "digenrl" in by:
-        print(f"  DigenRL vs colocated: measured {by['colocated']['step_s'] / by['digenrl']['step_s']:.2f}x, "
-              f"simulated {by['colocated']['simulated_step_s'] / by['digenrl']['simulated_step_s']:.2f}x")
+        ratio = lambda key: by["colocated"][key] / by["digenrl"][key]  # noqa: E731
+        print(f"  DigenRL vs colocated: measured {ratio('step_s'):.2f}x, "
+              f"simulated {ratio('simulated_step_s'):.2f}x")
     return rows
 
 

@@ -8,7 +8,8 @@ padding costs time but is not a pair). f_min and b_min are the smallest f and b 
 A run's efficiency is the work it did inside its window priced at f_min and b_min, over P times the
 window's length:
 
-    efficiency = (sum over gen ops of samples * T * f_min + sum over train ops of pairs * b_min) / (P * window)
+    efficiency = (sum over generation ops of samples * T * f_min
+                  + sum over train ops of pairs * b_min) / (P * window)
 
 Each op counted took at least its price on average (this mode's own f and b are >= the minima and
 are averaged over exactly these ops), ops of one rank do not overlap, and a rank is busy at most the
@@ -107,7 +108,8 @@ def analyse(mode: str, run: dict, w: dict) -> dict:
                "b": window["train_s"] / window["pairs"] if window["pairs"] else 0.0,
                "b_span": _mean(dur("train")) / slots, "recv_s": _mean(dur("recv")),
                "publish_s": _mean(dur("publish")), "optimizer_s": _mean(dur("optimizer")),
-               "step_overhead_s": _mean(gaps), "weights_latency_s": _mean([x for x in latency if x < 1.0])},
+               "step_overhead_s": _mean(gaps),
+               "weights_latency_s": _mean([x for x in latency if x < 1.0])},
     }
 
 

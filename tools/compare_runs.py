@@ -86,11 +86,12 @@ def _spread(values: list[float]) -> str:
         return "-"
     if len(values) == 1:
         return f"{values[0]:.3g}"
-    return f"{statistics.fmean(values):.3g} +- {statistics.stdev(values):.2g} [{min(values):.3g}, {max(values):.3g}]"
+    mean, std = statistics.fmean(values), statistics.stdev(values)
+    return f"{mean:.3g} +- {std:.2g} [{min(values):.3g}, {max(values):.3g}]"
 
 
 def learning_table(groups: dict, target: float | None, at_wall_s: float | None, window: int) -> dict:
-    """Per label (its runs = seeds): time to `target` and reward at `at_wall_s`, mean +- std [min, max]."""
+    """Per label (its runs = seeds): final reward, wall clock, time to `target`, reward at `at_wall_s`."""
     out = {}
     for label, runs in groups.items():
         finals = [smooth([r["reward_mean"] for r in rows], window)[-1] for rows in runs]
@@ -133,8 +134,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="PNG path (default: reward_curves.png beside the first run)")
     parser.add_argument("--window", type=int, default=1, help="moving-average window for the curves (1 = raw)")
     parser.add_argument("--tail", type=float, default=0.2, help="fraction of steps averaged for first/last reward")
-    parser.add_argument("--target-reward", help="a reward, or a LABEL: the mean final smoothed reward of its runs")
-    parser.add_argument("--at-wall-s", type=float, help="report each run's smoothed reward at this wall clock")
+    parser.add_argument("--target-reward",
+                        help="a reward, or a LABEL: the mean final smoothed reward of its runs")
+    parser.add_argument("--at-wall-s", type=float,
+                        help="report each run's smoothed reward at this wall clock")
     parser.add_argument("--json", help="also write the learning table here")
     args = parser.parse_args(argv)
     if args.window < 1 or not 0 < args.tail <= 1:
@@ -162,8 +165,8 @@ def main(argv=None) -> int:
             target = statistics.fmean(smooth([r["reward_mean"] for r in rows], args.window)[-1]
                                       for rows in groups[target])
     out = args.out or os.path.join(os.path.dirname(runs[0][1].rstrip("/")) or ".", "reward_curves.png")
-    named = {(label if len(groups[label]) == 1 else f"{label}/{os.path.basename(path.rstrip('/'))}"): rows
-             for label, path, rows in runs}
+    named = {(label if len(groups[label]) == 1 else f"{label}/{os.path.basename(path.rstrip('/'))}"):
+             rows for label, path, rows in runs}
     plot_reward_curves(named, out, eval_too=True, window=args.window, title=" vs ".join(groups))
     wall_png = os.path.splitext(out)[0] + "_wall.png"
     plot_wall(groups, wall_png, args.window, target)
@@ -177,9 +180,11 @@ def main(argv=None) -> int:
               f"{s['step_time_s']:>9.3f}{s['stale_frac']:>11.3f}{s['max_staleness']:>10.2f}"
               f"{s['tag_fragments']:>10.0f}{s['clipfrac']:>9.4f}")
     table = learning_table(groups, target, args.at_wall_s, args.window)
-    print(f"\nper label over its runs (mean +- std [min, max]); rewards are {args.window}-step trailing means")
+    print(f"\nper label over its runs (mean +- std [min, max]); rewards are {args.window}-step "
+          "trailing means")
     for label, e in table.items():
-        line = f"  {label:<{w}} runs {e['runs']}  final reward {_spread(e['final_reward'])}  wall {_spread(e['wall_s'])} s"
+        line = (f"  {label:<{w}} runs {e['runs']}  final reward {_spread(e['final_reward'])}  "
+                f"wall {_spread(e['wall_s'])} s")
         if target is not None:
             reached = [t for t in e["time_to_target_s"] if t is not None]
             line += (f"  | to reward {target:.4f}: {len(reached)}/{e['runs']} reached, "

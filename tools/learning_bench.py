@@ -13,7 +13,6 @@ OUT/time_to_reward.json. Timings are only comparable on a quiet machine.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -39,12 +38,14 @@ def finished(run_dir: str, steps: int) -> bool:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--modes", default=",".join(MODE_FLAGS), help="comma-separated: " + ", ".join(MODE_FLAGS))
+    p.add_argument("--modes", default=",".join(MODE_FLAGS),
+                   help="comma-separated: " + ", ".join(MODE_FLAGS))
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--steps", type=int, default=200, help="RL steps per run (the default demo's)")
     p.add_argument("--out", default=os.path.join("runs", "learning_bench"))
     p.add_argument("--window", type=int, default=10, help="trailing mean of the reward curves")
-    p.add_argument("--target", default="colocated", help="a reward, or the label whose final reward is the target")
+    p.add_argument("--target", default="colocated",
+                   help="a reward, or the mode whose final reward is the target")
     p.add_argument("--force", action="store_true", help="rerun runs that already finished")
     p.add_argument("extra", nargs="*", help="more main.py flags after --, e.g. -- --lr 1e-3")
     args = p.parse_args(argv)
