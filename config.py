@@ -68,6 +68,9 @@ class Config:
                                                "but more of each batch is trained off-policy")
     fsdp: bool = field(False, "shard the trainer transformer with FSDP2 over the trainer group (needs --tsp)")
     fragment_groups: int = field(1, "groups per fragment: smaller = finer pipelining, more messages and smaller forwards")
+    rank_speed: Optional[str] = field(None, "BENCHMARK EMULATION ONLY (infra/emulate.py): RANK=FACTOR,... e.g. 0=0.5 "
+                                      "runs rank 0's generation and training at half speed by sleeping; emulates "
+                                      "heterogeneous GPUs on one machine, costs wall time, never use it to train")
     # the RL problem size
     steps: int = field(200, "RL steps (optimizer steps)")
     prompts_per_step: int = field(3, "B: prompts (groups) per step")
@@ -278,6 +281,8 @@ def validate(c: Config, world_size: int) -> None:
     if c.tag and not (c.gap and c.tsp):
         _bad("--tag needs --gap and --tsp (the trainer group generates while it waits for streamed fragments, "
              "then trains them spread over all trainers)")
+    from infra import emulate
+    emulate.check_rank_speed(c.rank_speed, world_size)
     rewards.check_reward_options(c.reward, reward_options(c))
     source = prompt_source(c)
     rewards.check_prompts(c.reward, source.train, "the training prompts")

@@ -46,19 +46,26 @@ class Rank:
     queue: object  # gap.FragmentQueue
     steps: range
 
+    @property
+    def speed(self) -> float:
+        from infra import emulate
+        return emulate.speed_of(self.cfg.rank_speed, self.rank)
+
     def generate(self, step: int, first: int, count: int, version: int, producer: int):
         """Groups [first, first + count) of step `step`: the one generation path of every producer."""
         import gap
         import rollout
         import tag
+        from infra import emulate
 
         c = self.cfg
         spec = gap.fragment_spec(c.seed, step, first, count, len(self.prompts), c.prompts_per_step, c.group_size,
                                  shared_group_noise=(c.algo == "dance_grpo"))
         kind = "tag" if producer == tag.TAG_PRODUCER else "generate"
-        with self.tracer.span(kind, step=step, first_group=first, version=version):
-            return rollout.generate_fragment(self.policy, spec, self.prompts, self.sampling, self.reward_fn,
-                                             version, producer)
+        with self.tracer.span(kind, step=step, first_group=first, version=version, samples=len(spec.prompt_ids)):
+            with emulate.paced(self.speed):  # --rank-speed: the benchmark's emulation of a slower rank
+                return rollout.generate_fragment(self.policy, spec, self.prompts, self.sampling, self.reward_fn,
+                                                 version, producer)
 
     def prefixed(self, name: str):
         import torch.distributed as dist
@@ -217,7 +224,7 @@ def trainer_rank(r: Rank):
             per_group = [float(timing.get(f"gen/{x}")) for x in groups.rollout_ranks if timing.check([f"gen/{x}"])]
             return sum(per_group) / len(per_group) * cfg.fragment_groups if per_group else None
         assistant = tag.Assistant(cfg.prompts_per_step, cfg.fragment_groups, len(groups.rollout_ranks), k,
-                                  unit=k if cfg.fsdp else 1, claim=queue.claim, claimed=queue.num_claimed,
+                                  quantum=k if cfg.fsdp else 1, claim=queue.claim, claimed=queue.num_claimed,
                                   announced_groups=queue.num_announced_groups, rollout_gen_s=rollout_gen_s)
 
     def pairs_of(m: int, t_train: int):  # TSP: my share of the fragment's pairs, packed; else the per-timestep loop
@@ -228,7 +235,7 @@ def trainer_rank(r: Rank):
 
     def train(fragment):
         train_fragment(trainer, fragment, pairs_of=pairs_of, total_pairs=total_pairs, count=leader or not cfg.tsp,
-                       async_on=cfg.use_async, reward_names=r.reward_fn.names, tracer=tracer,
+                       async_on=cfg.use_async, reward_names=r.reward_fn.names, tracer=tracer, speed=r.speed,
                        on_trained=(lambda f, s: assistant.trained_groups(f.num_groups, s)) if assistant else None)
 
     def receive(step: int, announcement) -> gap.Fragment:
@@ -274,6 +281,7 @@ def trainer_rank(r: Rank):
             return
         if not (leader or cfg.fsdp):
             return
+        start = time.perf_counter()
         with tracer.span("publish", version=version):
             tensors = trainer.iter_full_weights()
             if leader:  # in the rollout's dtypes: bf16 weights for full fine-tuning even with fp32 masters here
@@ -281,6 +289,8 @@ def trainer_rank(r: Rank):
                                      dtypes=None if cfg.lora else [policy.dtype] * len(trainer.params))
             else:
                 collections.deque(tensors, maxlen=0)  # take part in each gather, keep nothing
+        if assistant is not None:
+            assistant.published(time.perf_counter() - start)
 
     last = {"t": time.perf_counter()}
 
@@ -321,7 +331,8 @@ def trainer_rank(r: Rank):
     else:
         run_trainer_rank(trainer, steps=r.steps, fragments_of=fragments_of, streaming=cfg.gap, train=train,
                          optimizer_step=optimizer_step, publish=publish, end_step=end_step,
-                         before_publish=(lambda step: step + 1 < cfg.steps and assistant.consider(step + 1, 0))
+                         before_publish=(lambda step: step + 1 < cfg.steps
+                                         and assistant.consider(step + 1, 0, before_publish=True))
                          if assistant else None)
     if bar is not None:
         bar.close()

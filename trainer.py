@@ -22,6 +22,7 @@ import async_policy
 import gap
 import grpo
 import tag
+from infra import emulate
 from rollout import step_fn
 from tsp import gather_pairs
 
@@ -282,7 +283,8 @@ def _like(whole: torch.Tensor, param) -> torch.Tensor:
 
 # --- the rank loops ----------------------------------------------------------------------------------
 def train_fragment(trainer: Trainer, fragment: gap.Fragment, *, pairs_of: Callable, total_pairs: int, count: bool,
-                   async_on: bool, reward_names: list[str], tracer, on_trained: Callable | None = None) -> None:
+                   async_on: bool, reward_names: list[str], tracer, on_trained: Callable | None = None,
+                   speed: float = 1.0) -> None:
     """Train this rank's share of a fragment: pairs_of(m, T_train) -> (packs, masks) is TSP's share or the
     per-timestep loop. `count` on exactly one trainer per fragment (its rewards enter the metrics once)."""
     async_policy.check_staleness(trainer.version, fragment.policy_version, async_on)  # the TCSS bound
@@ -290,8 +292,10 @@ def train_fragment(trainer: Trainer, fragment: gap.Fragment, *, pairs_of: Callab
         trainer.count_fragment(fragment, reward_names)
     packs, masks = pairs_of(*fragment.latents.shape[:2])
     start = time.perf_counter()
-    with tracer.span("train", step=fragment.step, first_group=fragment.first_group):
-        trainer.accumulate(fragment.to(trainer.policy.device), packs, masks, total_pairs)
+    pairs = sum(int(sum(mask)) for mask in masks)  # real pairs (TSP padding excluded)
+    with tracer.span("train", step=fragment.step, first_group=fragment.first_group, pairs=pairs):
+        with emulate.paced(speed):  # --rank-speed: the benchmark's emulation of a slower rank
+            trainer.accumulate(fragment.to(trainer.policy.device), packs, masks, total_pairs)
     if on_trained is not None:
         on_trained(fragment, time.perf_counter() - start)
 

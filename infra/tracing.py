@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import math
 import os
 import tempfile
 import time
@@ -250,10 +251,13 @@ def write_timeline_png(spans: list[dict], path, title: str | None = None) -> Non
     _atomic_write(path, lambda f: fig.savefig(f, format="png"))
 
 
-def _union_length(intervals: list[tuple[float, float]]) -> float:
-    """Total length covered by the intervals, overlaps counted once."""
+def union_length(intervals, lo: float = -math.inf, hi: float = math.inf) -> float:
+    """Total length covered by the intervals inside [lo, hi], overlaps counted once (the one
+    interval union of the project: trace summaries, bench.py and simulate.py use it)."""
     total, cur_start, cur_end = 0.0, None, None
-    for start, end in sorted(intervals):
+    for start, end in sorted((max(s, lo), min(e, hi)) for s, e in intervals):
+        if end <= start:
+            continue  # empty, or outside the window
         if cur_end is None or start > cur_end:
             if cur_end is not None:
                 total += cur_end - cur_start
@@ -277,7 +281,7 @@ def summarize(spans: list[dict], num_ranks: int | None = None) -> dict:
     roles = {s["rank"]: s["role"] for s in spans}
     ranks = sorted(set(roles) | set(range(num_ranks or 0)))
     wall = (max(s["end"] for s in bars) - min(s["start"] for s in bars)) if bars else 0.0
-    busy = {r: _union_length([(s["start"], s["end"]) for s in bars
+    busy = {r: union_length([(s["start"], s["end"]) for s in bars
                               if s["rank"] == r and s["kind"] != "wait"]) for r in ranks}
     busy_fraction = {r: (busy[r] / wall if wall > 0 else 0.0) for r in ranks}
     mean_busy = sum(busy_fraction.values()) / len(ranks) if ranks else 0.0

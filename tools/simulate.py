@@ -1,28 +1,32 @@
-"""Cost model of an RL step for every placement/mechanism mode on any cluster (DESIGN.md sections 5-6).
+"""Cost model of an RL step for every placement/mechanism mode on any cluster (DESIGN.md 5-6).
 
-    python simulate.py --paper                          # four seed models, 16 and 32 H200s, every mode
-    python simulate.py --costs bench_runs/quick/costs.json     # replay a bench-measured profile
+    python tools/simulate.py --costs bench_runs/quick/costs.json   # replay a bench-measured profile
+    python tools/simulate.py --costs ... --rank-speed 0=0.5        # rank 0 at half speed
+    python tools/paper_scale.py                                     # the seed models on 16/32 H200s
 
-`simulate(mode, costs, cluster, workload)` runs a small discrete-event simulation that follows
-runtime.py's protocol: rollout ranks claim fragments from a shared counter and stream them; the
-trainer trains them in arrival order (GAP) or after the whole batch (naive); TSP spreads a fragment's
-packed pairs over all K trainers (padding included), without TSP fragments are dealt round-robin;
-TAG asks tag.should_assist (the runtime's own predictor) whenever the trainer group would wait;
-TCSS lets rollout generate up to j fragments of the next batch with the weights it holds.
-Colocated: every rank generates its static share then trains it, plus a switch cost if given.
+`simulate(mode, costs, cluster, workload)` runs a small discrete-event simulation that follows the
+runtime's protocol. The fragment queue hands out contiguous ranges of GROUPS: a rollout rank claims
+`fragment_groups` at a time (the last claim may get fewer) and streams each finished range to the
+trainer, which trains them in arrival order (GAP) or after the whole batch (naive). TSP spreads a
+range's packed pairs over all K trainers (padding included, tsp.num_passes); without TSP whole
+fragments are dealt round-robin. TAG: when nothing has arrived, the trainer leader asks
+tag.assist_groups (the runtime's own predictor) how many groups to claim, and the K trainers
+generate them (split by groups, tag.split_groups); right before publishing the weights of step
+k + 1 it makes the same decision for step k + 1. TCSS lets rollout ranks generate up to j fragments
+of the next batch with the weights they hold. A step ends when all B groups are trained.
+Colocated: every rank generates its static share of fragments, then trains it; "colocated-real"
+also pays `costs.switch_s` per step (offload/reload and weight sync, see paper_scale.py).
 Several steps are simulated; the report is the steady-state mean (warm-up and last step excluded).
 
-Costs are seconds on a GPU of speed 1.0; a rank of kind k runs at `cluster.speeds[k]`. The bound is
-(N T f + N T_train b) / sum(speeds): f and b are the cheapest per-item costs in the tables (decode and
-reward are folded into f), so no simulated schedule can beat it.
+Costs are seconds on a GPU of speed 1.0; rank r runs generation and training at cluster.speed(r).
+The bound is (N T f + N T_train b) / sum(speeds) with the cheapest f and b in the tables (decode
+and reward folded into f), so no simulated schedule can beat it.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import heapq
 import json
-import math
 import os
 import sys
 from collections import defaultdict
@@ -30,73 +34,33 @@ from collections import defaultdict
 if __package__ in (None, ""):  # run as `python tools/X.py`: make the project root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import tag  # noqa: E402  # the runtime's TAG predictor: the simulated trainer decides exactly as the real one
+import config  # noqa: E402  (config.MODES owns the mechanism presets)
+import tag  # noqa: E402  (the runtime's TAG predictor: the simulated leader decides as the real one)
+from infra.tracing import union_length  # noqa: E402
+from tools.sim_model import (Cluster, Costs, Workload, _Sim, bound_s, generation_s,  # noqa: E402,F401
+                             per_item, stream_tail_s, train_dealt_s, train_tsp_s)
 
-MODES = {  # name: (placement, gap, tsp, tag, async) -- the mixes bench.py runs, in this order
-    "colocated": ("colocated", False, False, False, False),
-    "naive": ("disaggregated", False, False, False, False),
-    "gap": ("disaggregated", True, False, False, False),
-    "gap+tsp": ("disaggregated", True, True, False, False),
-    "gap+tsp+tag": ("disaggregated", True, True, True, False),
-    "digenrl": ("disaggregated", True, True, True, True),
-}
+BENCH_MODES = ("colocated", "naive", "gap", "gap+tsp", "gap+tsp+tag", "digenrl")
+REAL_COLOCATED = "colocated-real"  # simulator only: colocated plus the measured switch costs
 
 
-@dataclasses.dataclass
-class Costs:
-    """Per-op seconds on a GPU of speed 1.0."""
-
-    forward_s: dict  # batch -> seconds per sample per denoising step (one CFG branch)
-    train_s: dict  # pairs per pass -> seconds per (sample, timestep) pair, forward + backward
-    decode_s: float = 0.0  # per trajectory
-    reward_s: float = 0.0  # per trajectory
-    transfer_s: float = 0.0  # per fragment, trainer side (receive; again as a broadcast under TSP with K > 1)
-    publish_s: float = 0.0  # per version, trainer leader
-    optimizer_s: float = 0.0  # per step, every training rank: clip + AdamW
-    allreduce_s: float = 0.0  # per step, when more than one rank trains: gradient all-reduce + metric reduction
-    step_overhead_s: float = 0.0  # per step, trainer leader: metrics, logging
-    weights_latency_s: float = 0.0  # publish end -> rollout generates with the new weights (idle, not busy)
-    switch_s: float = 0.0  # colocated only: offload + reload per step on every rank
-    true_cfg: bool = False  # rollout runs two branches per denoising step
-    name: str = ""
-    provenance: str = ""
+def mechanisms(mode: str) -> tuple:
+    """(placement, gap, tsp, tag, async) of a mode: config.MODES' presets, a '+'-joined mix of
+    gap/tsp/tag/async (disaggregated), or colocated-real (colocated's mechanisms)."""
+    if mode == REAL_COLOCATED:
+        return config.MODES["colocated"]
+    if mode in config.MODES:
+        return config.MODES[mode]
+    names = {"gap": "gap", "tsp": "tsp", "tag": "tag", "async": "use_async"}
+    parts = mode.split("+")
+    if any(p not in names for p in parts):
+        raise ValueError(f"unknown mode {mode!r}: one of {', '.join(config.MODES)}, "
+                         f"{REAL_COLOCATED}, or a '+'-joined mix of {', '.join(names)}")
+    on = {names[p] for p in parts}
+    return ("disaggregated",) + tuple(f in on for f in config.MECHANISM_FIELDS[1:])
 
 
-@dataclasses.dataclass
-class Cluster:
-    nproc: int  # P
-    rollout_ranks: int = 1  # R (colocated: ranks 0..R-1 are of rollout_kind, the others of trainer_kind)
-    rollout_kind: str = "h200"
-    trainer_kind: str = "h200"
-    speeds: dict = dataclasses.field(default_factory=lambda: {"h200": 1.0})
-
-    def speed(self, rank: int) -> float:
-        return self.speeds.get(self.rollout_kind if rank < self.rollout_ranks else self.trainer_kind, 1.0)
-
-
-@dataclasses.dataclass
-class Workload:
-    groups: int  # B
-    group_size: int  # G
-    num_steps: int  # T
-    train_steps: int  # T_train
-    fragment_groups: int = 1
-    max_stale: int | None = None  # j; None = one per rollout rank (main.py's default)
-    tsp_pack: int = 4
-    steps: int = 10  # simulated RL steps: the `warmup` first and the last one are not measured
-    warmup: int = 2
-
-    @property
-    def m(self) -> int:
-        return self.fragment_groups * self.group_size
-
-    @property
-    def fragments(self) -> int:
-        return self.groups // self.fragment_groups
-
-    @property
-    def trajectories(self) -> int:
-        return self.groups * self.group_size
+MODES = {mode: mechanisms(mode) for mode in BENCH_MODES}  # what bench.py runs, in this order
 
 
 @dataclasses.dataclass
@@ -110,218 +74,196 @@ class StepReport:
     bubble: float  # 1 - mean busy fraction over all ranks
     bound_s: float
     efficiency: float
-    tag_fragments: float  # per step
+    tag_fragments: float  # TAG claims per step
+    tag_groups: float  # groups the trainer group generated per step
     stale_fragments: float  # per step
 
 
-# --- per-fragment times -------------------------------------------------------------------------
-def per_item(table: dict, batch: int) -> float:
-    """Seconds per item at `batch`, piecewise-linear between measured batches, clamped at the ends."""
-    points = sorted((int(k), float(v)) for k, v in table.items())
-    if batch <= points[0][0]:
-        return points[0][1]
-    for (b0, v0), (b1, v1) in zip(points, points[1:]):
-        if batch <= b1:
-            return v0 + (v1 - v0) * (batch - b0) / (b1 - b0)
-    return points[-1][1]
-
-
-def generation_s(costs: Costs, samples: int, num_steps: int, speed: float) -> float:
-    branches = 2 if costs.true_cfg else 1
-    return (samples * num_steps * branches * per_item(costs.forward_s, samples)
-            + samples * (costs.decode_s + costs.reward_s)) / speed
-
-
-def tsp_passes(samples: int, train_steps: int, world: int, pack: int) -> int:
-    """Passes per trainer per fragment under TSP, padding included (= tsp.num_passes)."""
-    return math.ceil(math.ceil(samples * train_steps / world) / pack)
-
-
-def train_tsp_s(costs: Costs, wl: Workload, trainers: int, speed: float) -> float:
-    return tsp_passes(wl.m, wl.train_steps, trainers, wl.tsp_pack) * wl.tsp_pack * per_item(costs.train_s, wl.tsp_pack) / speed
-
-
-def train_dealt_s(costs: Costs, wl: Workload, speed: float) -> float:
-    """One trainer, the per-timestep loop: T_train passes of m pairs."""
-    return wl.train_steps * wl.m * per_item(costs.train_s, wl.m) / speed
-
-
-def bound_s(costs: Costs, wl: Workload, cluster: Cluster) -> float:
-    """(N T f + N T_train b) / P with the cheapest f and b (P counts ranks by speed)."""
-    branches = 2 if costs.true_cfg else 1
-    f = branches * min(costs.forward_s.values()) + (costs.decode_s + costs.reward_s) / wl.num_steps
-    b = min(costs.train_s.values())
-    capacity = sum(cluster.speed(r) for r in range(cluster.nproc))
-    return wl.trajectories * (wl.num_steps * f + wl.train_steps * b) / capacity
-
-
-# --- a tiny discrete-event engine ---------------------------------------------------------------
-class _Sim:
-    """Actors are generators yielding ("delay", seconds) or ("until", predicate); busy time per rank is kept."""
-
-    def __init__(self):
-        self.now, self._timed, self._blocked, self._order = 0.0, [], [], 0
-        self.intervals = defaultdict(list)  # rank -> [(start, end)]
-
-    def spawn(self, actor) -> None:
-        self._advance(actor)
-
-    def _advance(self, actor) -> None:
-        request = next(actor, None)
-        if request is None:
-            return
-        kind, value = request
-        if kind == "delay":
-            heapq.heappush(self._timed, (self.now + value, self._order, actor))
-            self._order += 1
-        else:
-            self._blocked.append((value, actor))
-
-    def run(self) -> None:
-        while True:
-            progressed = True
-            while progressed:
-                progressed = False
-                for entry in list(self._blocked):
-                    if entry[0]():
-                        self._blocked.remove(entry)
-                        self._advance(entry[1])
-                        progressed = True
-            if not self._timed:
-                if self._blocked:
-                    raise RuntimeError("simulation deadlocked: every actor waits")
-                return
-            self.now, _, actor = heapq.heappop(self._timed)
-            self._advance(actor)
-
-    def busy(self, ranks, seconds: float):
-        start = self.now
-        yield ("delay", max(seconds, 0.0))
-        for r in ranks:
-            self.intervals[r].append((start, self.now))
-
-
-# --- the protocol -------------------------------------------------------------------------------
+# --- the protocol ------------------------------------------------------------------------------
 def simulate(mode: str, costs: Costs, cluster: Cluster, wl: Workload) -> StepReport:
     """Simulate `wl.steps` RL steps of `mode`; return the steady-state StepReport."""
-    placement, gap_on, tsp_on, tag_on, async_on = MODES[mode]
-    P, R, M, S = cluster.nproc, cluster.rollout_ranks, wl.fragments, wl.steps
-    max_stale = R if wl.max_stale is None else wl.max_stale
-    if S < wl.warmup + 4:  # a short window can catch the stale-prefetch pattern mid-cycle
-        raise ValueError(f"simulate at least warmup + 4 steps, got {S}")
+    if wl.steps < wl.warmup + 4:  # a short window can catch the stale-prefetch pattern mid-cycle
+        raise ValueError(f"simulate at least warmup + 4 steps, got {wl.steps}")
+    placement = mechanisms(mode)[0]
     sim = _Sim()
-    claims, announced, stale_budget = defaultdict(int), defaultdict(list), defaultdict(int)
-    assisted, barrier = defaultdict(int), defaultdict(int)
-    state = {"published": -1, "tag": 0, "stale": 0}
+    run = _colocated if placement == "colocated" else _disaggregated
+    step_end, counts, roles = run(sim, mode, costs, cluster, wl)
+    return _report(mode, sim, costs, cluster, wl, step_end, counts, roles)
+
+
+def _finish(sim, ranks, costs, training_ranks):
+    """Optimizer (+ gradient all-reduce when several ranks train) on `ranks`."""
+    yield from sim.busy(ranks, costs.optimizer_s + (costs.allreduce_s if training_ranks > 1 else 0))
+
+
+def _colocated(sim, mode, costs, cluster, wl):
+    P, M = cluster.nproc, wl.fragments
+    switch = costs.switch_s if mode == REAL_COLOCATED else 0.0
+    barrier, step_end = defaultdict(int), {}
+
+    def rank_loop(rank):
+        mine = len(range(rank, M, P))  # static share of fragments, as the runtime deals them
+        speed = cluster.speed(rank)
+        work = mine * (generation_s(costs, wl.m, wl.num_steps, speed) + train_dealt_s(costs, wl, speed))
+        for step in range(wl.steps):
+            yield from sim.busy([rank], switch + work)
+            barrier[step] += 1
+            yield ("until", lambda: barrier[step] == P)
+            yield from _finish(sim, [rank], costs, P)
+            if rank == 0:
+                yield from sim.busy([0], costs.step_overhead_s)
+                step_end[step] = sim.now
+
+    for rank in range(P):
+        sim.spawn(rank_loop(rank))
+    sim.run()
+    return step_end, {"tag": 0, "tag_groups": 0, "stale": 0}, {r: "colocated" for r in range(P)}
+
+
+def _disaggregated(sim, mode, costs, cluster, wl):
+    _, gap_on, tsp_on, tag_on, async_on = mechanisms(mode)
+    P, R, B, G, S = cluster.nproc, cluster.rollout_ranks, wl.groups, wl.group_size, wl.steps
+    trainers = list(range(R, P))
+    K, leader = len(trainers), trainers[0]
+    t_speed = cluster.speed(leader)
+    max_stale = R if wl.max_stale is None else wl.max_stale
+    claimed, stale_claims, tag_claimed = defaultdict(int), defaultdict(int), defaultdict(int)
+    announced = defaultdict(list)  # step -> [(groups, destination rank)] in announcement order
+    state = {"published": -1}
+    counts = {"tag": 0, "tag_groups": 0, "stale": 0}
     step_end = {}
 
-    def claim(step):
-        claims[step] += 1
-        return claims[step] - 1 if claims[step] <= M else None
+    def claim(step, groups):
+        """The store counter: a contiguous range of up to `groups` groups, or 0 when none is left."""
+        got = max(min(groups, B - claimed[step]), 0)
+        claimed[step] += got
+        return got
 
-    def finish_step(ranks, step, is_leader, publish, training_ranks):
-        yield from sim.busy(ranks, costs.optimizer_s + (costs.allreduce_s if training_ranks > 1 else 0.0))
-        if is_leader:
-            yield from sim.busy(ranks[:1], costs.step_overhead_s)
-            step_end[step] = sim.now
-            if publish:
-                yield from sim.busy(ranks[:1], costs.publish_s)
-                state["published"] = step + 1
-
-    if placement == "colocated":
-        def colocated(rank):
-            mine = range(rank, M, P)
-            speed = cluster.speed(rank)
-            gen, train = generation_s(costs, wl.m, wl.num_steps, speed), train_dealt_s(costs, wl, speed)
-            for step in range(S):
-                yield from sim.busy([rank], costs.switch_s + len(mine) * (gen + train))
-                barrier[step] += 1
-                yield ("until", lambda: barrier[step] == P)
-                yield from finish_step([rank], step, rank == 0, False, P)
-        for rank in range(P):
-            sim.spawn(colocated(rank))
-        sim.run()
-        return _report(mode, sim, costs, cluster, wl, step_end, state, roles={r: "colocated" for r in range(P)})
-
-    trainers = list(range(R, P))
-    K = len(trainers)
-    t_speed = cluster.speed(trainers[0])
+    def transfer_s(groups):
+        return costs.transfer_s * groups * G / wl.m
 
     def rollout(rank):
-        gen = generation_s(costs, wl.m, wl.num_steps, cluster.speed(rank))
-        held = -1
+        speed, held = cluster.speed(rank), -1
 
-        def produce(step, index, version):
-            yield from sim.busy([rank], gen)
+        def produce(step, groups, version):
+            yield from sim.busy([rank], generation_s(costs, groups * G, wl.num_steps, speed))
             seq = len(announced[step])
-            announced[step].append(trainers[0] if tsp_on else trainers[seq % K])
-            state["stale"] += version < step
+            announced[step].append((groups, leader if tsp_on else trainers[seq % K]))
+            counts["stale"] += version < step
 
         for step in range(S):
             yield ("until", lambda: state["published"] >= step)
             if held < state["published"]:
                 yield ("delay", costs.weights_latency_s)
                 held = state["published"]
-            while (index := claim(step)) is not None:
-                yield from produce(step, index, held)
-            while async_on and step + 1 < S and state["published"] < step + 1 and max_stale > 0:
-                stale_budget[step + 1] += 1
-                if stale_budget[step + 1] > max_stale or (index := claim(step + 1)) is None:
+            while groups := claim(step, wl.fragment_groups):
+                yield from produce(step, groups, held)
+            while async_on and step + 1 < S and state["published"] < step + 1:
+                stale_claims[step + 1] += 1  # TCSS: the budget j counts fragments
+                if stale_claims[step + 1] > max_stale:
                     break
-                yield from produce(step + 1, index, held)
+                if not (groups := claim(step + 1, wl.fragment_groups)):
+                    break
+                yield from produce(step + 1, groups, held)
 
-    def dealt_trainer(k):
-        rank, train = trainers[k], train_dealt_s(costs, wl, t_speed)
-        mine = range(k, M, K)
-        if k == 0:
-            yield from sim.busy([rank], costs.publish_s)
-            state["published"] = 0
-        for step in range(S):
-            for seq in mine:
-                yield ("until", lambda: len(announced[step]) > seq)
-                yield from sim.busy([rank], costs.transfer_s + (train if gap_on else 0.0))
-            if not gap_on:
-                yield from sim.busy([rank], len(mine) * train)
-            barrier[step] += 1
-            yield ("until", lambda: barrier[step] == K)
-            yield from finish_step([rank], step, k == 0, True, K)
+    # The predictor's inputs, as the runtime estimates them.
+    gen_rollout = R / sum(1 / generation_s(costs, wl.m, wl.num_steps, cluster.speed(r))
+                          for r in range(R))  # per fragment: the ranks' harmonic mean
+    gen_round = generation_s(costs, G, wl.num_steps, t_speed) + (transfer_s(1) if K > 1 else 0)
+    train_group = train_tsp_s(costs, wl, wl.m, K, t_speed) / wl.fragment_groups
+    decisions = {}
 
-    share = math.ceil(wl.fragment_groups / K) * wl.group_size  # TAG: the largest share of a fragment's groups
-    gen_trainer = generation_s(costs, share, wl.num_steps, t_speed) + (costs.transfer_s if K > 1 else 0.0)
-    gen_rollout = generation_s(costs, wl.m, wl.num_steps, cluster.speed(0))
-    train_fragment = train_tsp_s(costs, wl, K, t_speed)
+    def tag_wants(step, next_seq, boundary=False):
+        key = (step, claimed[step], len(announced[step]), next_seq, boundary)
+        if key not in decisions:
+            arrived = sum(g for g, _ in announced[step])
+            decisions[key] = tag.assist_groups(tag.StepState(
+                unclaimed=B - claimed[step], waiting=sum(g for g, _ in announced[step][next_seq:]),
+                in_flight=max(claimed[step] - arrived - tag_claimed[step], 0), rollout_ranks=R,
+                gen_rollout_s=gen_rollout, gen_trainer_s=gen_round, train_s=train_group,
+                fragment_groups=wl.fragment_groups, trainers=K, quantum=K if wl.fsdp else 1,
+                group_size=G if wl.tag_split == "trajectories" else 0,
+                rollout_start_s=(costs.publish_s + costs.weights_latency_s) if boundary else 0.0))
+        return decisions[key]
 
-    def tag_wants(step, next_seq):
-        claimed, arrived = min(claims[step], M), len(announced[step])
-        return tag.should_assist(tag.StepState(
-            unclaimed=M - claimed, in_flight=max(claimed - arrived - assisted[step], 0), waiting=arrived - next_seq,
-            rollout_ranks=R, gen_rollout_s=gen_rollout, gen_trainer_s=gen_trainer, train_s=train_fragment))
+    def tag_claim(step, groups):
+        got = claim(step, groups)
+        tag_claimed[step] += got
+        counts["tag"] += got > 0
+        counts["tag_groups"] += got
+        return got
+
+    def publish(version):
+        yield from sim.busy([leader], costs.publish_s)
+        state["published"] = version
 
     def trainer_group():  # under TSP the K trainers move in lockstep: one actor
-        yield from sim.busy(trainers[:1], costs.publish_s)
-        state["published"] = 0
+        yield from publish(0)
+        pending = defaultdict(int)  # step -> groups TAG claimed at the boundary, not generated yet
         for step in range(S):
-            done, next_seq, held = 0, 0, 0
-            while done < M:
-                yield ("until", lambda: len(announced[step]) > next_seq or (tag_on and tag_wants(step, next_seq)))
-                if len(announced[step]) > next_seq:  # runtime._leader_decide polls arrivals first
+            trained, next_seq, held, own = 0, 0, 0, pending.pop(step, 0)
+            while trained < B:
+                yield ("until", lambda: len(announced[step]) > next_seq or own
+                       or (tag_on and tag_wants(step, next_seq) > 0))
+                if len(announced[step]) > next_seq:  # the leader polls arrivals first
+                    groups = announced[step][next_seq][0]
                     next_seq += 1
-                    yield from sim.busy(trainers[:1], costs.transfer_s)
+                    yield from sim.busy([leader], transfer_s(groups))
                     if K > 1:
-                        yield from sim.busy(trainers, costs.transfer_s)  # broadcast to the trainer group
+                        yield from sim.busy(trainers, transfer_s(groups))  # broadcast to the group
+                elif own:  # generate the claimed groups, split over the K trainers by groups
+                    groups, own = own, 0
+                    if wl.tag_split == "trajectories":  # what-if: every trainer a share
+                        shares = [tag.split_groups(groups * G, K, r) for r in range(K)]
+                    else:  # the runtime: whole groups (a rank without a share idles)
+                        shares = [(lo * G, hi * G) for lo, hi in
+                                  (tag.split_groups(groups, K, r) for r in range(K))]
+                    working = [t for t, (lo, hi) in zip(trainers, shares) if hi > lo]
+                    share = max(hi - lo for lo, hi in shares)  # trajectories
+                    yield from sim.busy(working, generation_s(costs, share, wl.num_steps, t_speed))
+                    if K > 1:
+                        yield from sim.busy(trainers, transfer_s(groups))  # shares to the group
                 else:
-                    claim(step)
-                    assisted[step] += 1
-                    state["tag"] += 1
-                    yield from sim.busy(trainers, gen_trainer)
-                done += 1
+                    own = tag_claim(step, tag_wants(step, next_seq))
+                    continue
+                trained += groups
                 if gap_on:
-                    yield from sim.busy(trainers, train_fragment)
+                    yield from sim.busy(trainers, train_tsp_s(costs, wl, groups * G, K, t_speed))
                 else:
-                    held += 1
-            yield from sim.busy(trainers, held * train_fragment)
-            yield from finish_step(trainers, step, True, True, K)
+                    held += groups
+            if held:
+                yield from sim.busy(trainers, sum(
+                    train_tsp_s(costs, wl, g * G, K, t_speed) for g, _ in announced[step]))
+            yield from sim.busy(trainers, stream_tail_s(costs, wl, K, t_speed))
+            yield from _finish(sim, trainers, costs, K)
+            yield from sim.busy([leader], costs.step_overhead_s)
+            step_end[step] = sim.now
+            if tag_on and step + 1 < S:  # before the rollout ranks grab the rest of step + 1
+                pending[step + 1] = tag_claim(step + 1, tag_wants(step + 1, 0, boundary=True))
+            yield from publish(step + 1)
 
+    def dealt_trainer(k):
+        rank = trainers[k]
+        if k == 0:
+            yield from publish(0)
+        done = defaultdict(int)
+        for step in range(S):
+            for seq in range(k, wl.fragments, K):
+                yield ("until", lambda: len(announced[step]) > seq)
+                groups = announced[step][seq][0]
+                work = train_dealt_s(costs, wl, t_speed) * groups / wl.fragment_groups
+                yield from sim.busy([rank], transfer_s(groups) + (work if gap_on else 0.0))
+                done[step] += 0 if gap_on else work
+            yield from sim.busy([rank], done[step])
+            barrier[step] += 1
+            yield ("until", lambda: barrier[step] == K)
+            yield from _finish(sim, [rank], costs, K)
+            if k == 0:
+                yield from sim.busy([rank], costs.step_overhead_s)
+                step_end[step] = sim.now
+                yield from publish(step + 1)
+
+    barrier = defaultdict(int)
     for rank in range(R):
         sim.spawn(rollout(rank))
     if tsp_on:
@@ -330,88 +272,81 @@ def simulate(mode: str, costs: Costs, cluster: Cluster, wl: Workload) -> StepRep
         for k in range(K):
             sim.spawn(dealt_trainer(k))
     sim.run()
-    roles = {r: ("rollout" if r < R else "trainer") for r in range(P)}
-    return _report(mode, sim, costs, cluster, wl, step_end, state, roles)
+    return step_end, counts, {r: ("rollout" if r < R else "trainer") for r in range(P)}
 
 
-def _union_in(intervals, lo, hi) -> float:
-    total, cur_end = 0.0, lo
-    for start, end in sorted(intervals):
-        start, end = max(start, cur_end), min(end, hi)
-        if end > start:
-            total += end - start
-            cur_end = end
-    return total
-
-
-def _report(mode, sim, costs, cluster, wl, step_end, state, roles) -> StepReport:
-    first, last = wl.warmup - 1, wl.steps - 2  # the last step has no next batch to prefetch: excluded
+def _report(mode, sim, costs, cluster, wl, step_end, counts, roles) -> StepReport:
+    first, last = wl.warmup - 1, wl.steps - 2  # the last step has no next batch: excluded
     lo, hi = step_end[first], step_end[last]
     step = (hi - lo) / (last - first)
-    busy = {r: _union_in(sim.intervals[r], lo, hi) / (hi - lo) for r in roles}
-    by_role = {role: sum(busy[r] for r in roles if roles[r] == role) / sum(1 for r in roles if roles[r] == role)
-               for role in sorted(set(roles.values()))}
+    busy = {r: union_length(sim.intervals[r], lo, hi) / (hi - lo) for r in roles}
+    by_role = {role: sum(busy[r] for r in roles if roles[r] == role)
+               / sum(1 for r in roles if roles[r] == role) for role in sorted(set(roles.values()))}
     bound = bound_s(costs, wl, cluster)
     pairs = wl.trajectories * wl.train_steps
-    return StepReport(mode, cluster.rollout_ranks, step, wl.trajectories / step, pairs / step, by_role,
-                      1 - sum(busy.values()) / len(busy), bound, bound / step,
-                      state["tag"] / wl.steps, state["stale"] / wl.steps)
+    per_step = {k: v / wl.steps for k, v in counts.items()}
+    return StepReport(mode, cluster.rollout_ranks, step, wl.trajectories / step, pairs / step,
+                      by_role, 1 - sum(busy.values()) / len(busy), bound, bound / step,
+                      per_step["tag"], per_step["tag_groups"], per_step["stale"])
 
 
 def best_split(mode: str, costs: Costs, cluster: Cluster, wl: Workload) -> StepReport:
     """The fastest R (rollout ranks) for a disaggregated mode; colocated has no split."""
-    if MODES[mode][0] == "colocated":
+    if mechanisms(mode)[0] == "colocated":
         return simulate(mode, costs, cluster, wl)
     splits = [dataclasses.replace(cluster, rollout_ranks=r) for r in range(1, cluster.nproc)]
     return min((simulate(mode, costs, c, wl) for c in splits), key=lambda rep: rep.step_s)
 
 
-# --- bench-measured profiles -----------------------------------------------------------------------------------
+# --- bench-measured profiles -------------------------------------------------------------------
 def load_costs(path: str) -> tuple[Costs, dict]:
-    """A bench-produced costs JSON -> (Costs, the whole file: it also holds the workload and cluster)."""
+    """A bench-produced costs JSON -> (Costs, the whole file: it also holds workload and cluster)."""
     with open(path) as f:
         data = json.load(f)
     costs = Costs(**data["costs"])
-    costs.forward_s, costs.train_s = ({int(k): v for k, v in t.items()} for t in (costs.forward_s, costs.train_s))
+    costs.forward_s, costs.train_s = ({int(k): v for k, v in t.items()}
+                                      for t in (costs.forward_s, costs.train_s))
     return costs, data
 
 
 def format_report(rep: StepReport) -> str:
     busy = " ".join(f"{k[0]}={v:.2f}" for k, v in rep.busy.items())
-    return (f"{rep.mode:<12} R={rep.rollout_ranks:<3} step {rep.step_s:8.2f}s  traj/s {rep.trajectories_per_s:6.2f}  "
-            f"eff {rep.efficiency:5.2f}  bubble {rep.bubble:5.2f}  busy {busy:<14} tag/step {rep.tag_fragments:4.1f}")
+    return (f"{rep.mode:<14} R={rep.rollout_ranks:<3} step {rep.step_s:8.2f}s  "
+            f"traj/s {rep.trajectories_per_s:6.2f}  eff {rep.efficiency:5.2f}  "
+            f"bubble {rep.bubble:5.2f}  busy {busy:<14} tag groups/step {rep.tag_groups:4.1f}")
+
+
+def parse_rank_speed(spec: str | None) -> dict:
+    from infra.emulate import parse_rank_speed as parse
+    return parse(spec)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--paper", action="store_true", help="the seed models at paper settings on 16/32 H200s")
-    parser.add_argument("--costs", help="a bench-produced costs JSON (bench.py writes <bench dir>/costs.json)")
+    parser.add_argument("--costs", required=True,
+                        help="a bench-produced costs JSON (bench.py writes <bench dir>/costs.json)")
     parser.add_argument("--nproc", type=int, help="P (default: the costs file's)")
     parser.add_argument("--rollout-ranks", type=int, help="R; 0 = search the best split per mode")
+    parser.add_argument("--rank-speed", help="RANK=FACTOR,... e.g. 0=0.5 (as main.py --rank-speed)")
     parser.add_argument("--steps", type=int, default=10, help="simulated RL steps")
     parser.add_argument("--out", help="also write the reports as JSON here")
     args = parser.parse_args(argv)
-    if args.paper:
-        from tools.paper_scale import print_paper  # the measured H200 profiles and the paper's settings
-        results = print_paper()
-    elif args.costs:
-        costs, data = load_costs(args.costs)
-        wl = Workload(**{**data["workload"], "steps": args.steps})
-        cluster = Cluster(**{**data["cluster"], **({"nproc": args.nproc} if args.nproc else {})})
-        if args.rollout_ranks is not None:
-            cluster.rollout_ranks = args.rollout_ranks or 1
-        print(f"# {args.costs}: P={cluster.nproc} B={wl.groups} G={wl.group_size} T={wl.num_steps} "
-              f"T_train={wl.train_steps}  [{costs.provenance}]")
-        reports = [best_split(m, costs, cluster, wl) if args.rollout_ranks == 0 else simulate(m, costs, cluster, wl)
-                   for m in MODES]
-        for rep in reports:
-            print(format_report(rep))
-        results = [dataclasses.asdict(r) for r in reports]
-    else:
-        parser.error("give --paper or --costs FILE")
+    costs, data = load_costs(args.costs)
+    wl = Workload(**{**data["workload"], "steps": args.steps})
+    cluster = Cluster(**{**data["cluster"], **({"nproc": args.nproc} if args.nproc else {})})
+    if args.rollout_ranks is not None:
+        cluster.rollout_ranks = args.rollout_ranks or 1
+    cluster.rank_speed = parse_rank_speed(args.rank_speed)
+    print(f"# {args.costs}: P={cluster.nproc} B={wl.groups} G={wl.group_size} T={wl.num_steps} "
+          f"T_train={wl.train_steps} rank speeds {cluster.rank_speed or 'all 1'}  "
+          f"[{costs.provenance}]")
+    run = best_split if args.rollout_ranks == 0 else simulate
+    reports = [run(m, costs, cluster, wl) for m in MODES]
+    for rep in reports:
+        print(format_report(rep))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump([dataclasses.asdict(r) for r in reports], f, indent=1)
     return 0
 
 

@@ -1,0 +1,63 @@
+"""tag.assist_groups / predict_step_end: the group-granular TAG predictor, checked by hand."""
+import pytest
+
+import tag
+
+pytestmark = pytest.mark.timeout(60)
+
+# 4 groups left, 1 rollout rank claiming 2-group fragments (1.2 s each), the trainer group
+# generates a group in 0.6 s and trains one in 0.06 s.
+GEN_BOUND = tag.StepState(unclaimed=4, in_flight=0, waiting=0, rollout_ranks=1, gen_rollout_s=1.2,
+                          gen_trainer_s=0.6, train_s=0.06, fragment_groups=2)
+
+
+def test_predicted_step_end_by_hand():
+    # n = 0: fragments arrive at 1.2 and 2.4, the last is trained by 2.52.
+    # n = 1: trainer 0.6 + 0.06; rollout: 2 groups at 1.2, then the last 1 at 1.8 -> 1.86.
+    # n = 2: trainer 1.2 + 0.12 = 1.32; the rollout's fragment (1.2) is trained next -> 1.44.
+    # n = 3: the rollout's 1 group arrives at 0.6 but the trainer is generating until 1.98 -> 2.04.
+    expected = [2.52, 1.86, 1.44, 2.04, 2.64]
+    assert [tag.predict_step_end(GEN_BOUND, n) for n in range(5)] == pytest.approx(expected)
+    assert tag.assist_groups(GEN_BOUND) == 2  # the balancing share, not "as much as possible"
+
+
+def test_declines_when_training_is_the_bottleneck():
+    train_bound = tag.StepState(unclaimed=6, in_flight=2, waiting=2, rollout_ranks=2,
+                                gen_rollout_s=1.0, gen_trainer_s=0.5, train_s=2.0,
+                                fragment_groups=2, trainers=2)
+    assert tag.assist_groups(train_bound) == 0 and not tag.should_assist(train_bound)
+    # a much slower trainer GPU for generation: decline too
+    slow = tag.StepState(**{**GEN_BOUND.__dict__, "gen_trainer_s": 50.0})
+    assert tag.assist_groups(slow) == 0
+
+
+def test_claims_are_multiples_of_the_quantum_and_the_best_of_them():
+    state = tag.StepState(unclaimed=10, in_flight=1, waiting=0, rollout_ranks=1, gen_rollout_s=4.0,
+                          gen_trainer_s=2.0, train_s=0.1, trainers=2, quantum=2)
+    n = tag.assist_groups(state)
+    assert n > 0 and n % 2 == 0
+    ends = {k: tag.predict_step_end(state, k) for k in range(0, 11, 2)}  # the naive reference
+    assert ends[n] == min(ends.values())
+    # a margin larger than the gain: no claim
+    assert tag.assist_groups(state, margin_s=ends[0] - ends[n] + 1e-6) == 0
+
+
+def test_trainer_generation_time_split_by_groups_or_trajectories():
+    by_groups = tag.StepState(**{**GEN_BOUND.__dict__, "trainers": 4})
+    assert tag.tag_generation_s(by_groups, 1) == pytest.approx(0.6)  # 3 of 4 trainers idle
+    assert tag.tag_generation_s(by_groups, 5) == pytest.approx(1.2)  # ceil(5 / 4) groups
+    by_traj = tag.StepState(**{**by_groups.__dict__, "group_size": 8})
+    assert tag.tag_generation_s(by_traj, 1) == pytest.approx(0.6 * 2 / 8)  # 2 trajectories each
+
+
+def test_rollout_start_delays_idle_rollout_ranks_only():
+    late = tag.StepState(**{**GEN_BOUND.__dict__, "rollout_start_s": 1.0})
+    assert tag.predict_step_end(late, 0) == pytest.approx(3.52)
+    assert tag.predict_step_end(late, 4) == pytest.approx(2.64)  # nothing left to the rollout
+
+
+def test_fragment_units_still_work():
+    # one unit = one fragment (the defaults): with many rollout ranks the last one is left to them
+    assert not tag.should_assist(tag.StepState(1, 7, 0, 8, 5.0, 5.0, 1.0))
+    assert not tag.should_assist(tag.StepState(0, 2, 0, 1, 5.0, 5.0, 1.0))  # nothing to claim
+    assert tag.predict_step_end(GEN_BOUND, True) == tag.predict_step_end(GEN_BOUND, 1)

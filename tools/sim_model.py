@@ -1,0 +1,177 @@
+"""The cost model's pieces: per-op costs, cluster, workload, per-op times, the bound, and a tiny
+discrete-event engine. tools/simulate.py runs the runtime's protocol on them (see its docstring).
+
+Costs are seconds on a GPU of speed 1.0; rank r runs generation and training at cluster.speed(r).
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+import os
+import sys
+from collections import defaultdict
+
+if __package__ in (None, ""):  # run as `python tools/X.py`: make the project root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import tsp  # noqa: E402
+
+
+@dataclasses.dataclass
+class Costs:
+    """Per-op seconds on a GPU of speed 1.0."""
+
+    forward_s: dict  # batch -> seconds per sample per denoising step (one CFG branch)
+    train_s: dict  # pairs per pass -> seconds per (sample, timestep) pair, forward + backward
+    decode_s: float = 0.0  # per trajectory
+    reward_s: float = 0.0  # per trajectory
+    transfer_s: float = 0.0  # per fragment of m trajectories, trainer side (scaled by size)
+    publish_s: float = 0.0  # per version, trainer leader
+    optimizer_s: float = 0.0  # per step, every training rank: clip + AdamW
+    allreduce_s: float = 0.0  # per step when more than one rank trains: gradients + metrics
+    step_overhead_s: float = 0.0  # per step, trainer leader: metrics, logging
+    weights_latency_s: float = 0.0  # publish end -> rollout generates with the new weights
+    switch_s: float = 0.0  # colocated-real only: sleep/wake, offload/reload, sync per step
+    true_cfg: bool = False  # rollout runs two branches per denoising step
+    name: str = ""
+    provenance: str = ""
+
+
+@dataclasses.dataclass
+class Cluster:
+    nproc: int  # P
+    rollout_ranks: int = 1  # R (colocated: ranks 0..R-1 are of rollout_kind)
+    rollout_kind: str = "h200"
+    trainer_kind: str = "h200"
+    speeds: dict = dataclasses.field(default_factory=lambda: {"h200": 1.0})
+    rank_speed: dict = dataclasses.field(default_factory=dict)  # rank -> factor (--rank-speed)
+
+    def speed(self, rank: int) -> float:
+        kind = self.rollout_kind if rank < self.rollout_ranks else self.trainer_kind
+        return self.speeds.get(kind, 1.0) * float(self.rank_speed.get(rank, 1.0))
+
+
+@dataclasses.dataclass
+class Workload:
+    groups: int  # B
+    group_size: int  # G
+    num_steps: int  # T
+    train_steps: int  # T_train
+    fragment_groups: int = 1
+    max_stale: int | None = None  # j in fragments; None = one per rollout rank (the default)
+    tsp_pack: int = 4
+    fsdp: bool = False  # TAG claims multiples of K groups (every FSDP rank runs the same forwards)
+    # What-ifs beyond the runtime's design (defaults = the design):
+    tag_split: str = "groups"  # "trajectories": TAG shares are ceil(n G / K) trajectories
+    tsp_stream: bool = False  # TSP packs span fragments: padding once per step, not per fragment
+    steps: int = 10  # simulated RL steps: the `warmup` first and the last one are not measured
+    warmup: int = 2
+
+    @property
+    def m(self) -> int:
+        return self.fragment_groups * self.group_size
+
+    @property
+    def fragments(self) -> int:
+        return math.ceil(self.groups / self.fragment_groups)
+
+    @property
+    def trajectories(self) -> int:
+        return self.groups * self.group_size
+
+
+# --- per-op times ------------------------------------------------------------------------------
+def per_item(table: dict, batch: int) -> float:
+    """Seconds per item at `batch`, piecewise-linear between measured batches, clamped at the ends."""
+    points = sorted((int(k), float(v)) for k, v in table.items())
+    if batch <= points[0][0]:
+        return points[0][1]
+    for (b0, v0), (b1, v1) in zip(points, points[1:]):
+        if batch <= b1:
+            return v0 + (v1 - v0) * (batch - b0) / (b1 - b0)
+    return points[-1][1]
+
+
+def generation_s(costs: Costs, samples: int, num_steps: int, speed: float) -> float:
+    branches = 2 if costs.true_cfg else 1
+    return (samples * num_steps * branches * per_item(costs.forward_s, samples)
+            + samples * (costs.decode_s + costs.reward_s)) / speed
+
+
+def train_tsp_s(costs: Costs, wl: Workload, samples: int, trainers: int, speed: float) -> float:
+    """One trainer's time for a range of `samples` under TSP (every trainer runs as many passes;
+    with the tsp_stream what-if, pairs of consecutive fragments share packs: no padding here)."""
+    pair = per_item(costs.train_s, wl.tsp_pack) / speed
+    if wl.tsp_stream:
+        return samples * wl.train_steps / trainers * pair
+    return tsp.num_passes(samples, wl.train_steps, trainers, wl.tsp_pack) * wl.tsp_pack * pair
+
+
+def stream_tail_s(costs: Costs, wl: Workload, trainers: int, speed: float) -> float:
+    """tsp_stream what-if: the step's last pack is padded once per step."""
+    if not wl.tsp_stream:
+        return 0.0
+    per_rank = wl.trajectories * wl.train_steps / trainers
+    padding = math.ceil(per_rank / wl.tsp_pack) * wl.tsp_pack - per_rank
+    return padding * per_item(costs.train_s, wl.tsp_pack) / speed
+
+
+def train_dealt_s(costs: Costs, wl: Workload, speed: float) -> float:
+    """One trainer, the per-timestep loop: T_train passes of m pairs."""
+    return wl.train_steps * wl.m * per_item(costs.train_s, wl.m) / speed
+
+
+def bound_s(costs: Costs, wl: Workload, cluster: Cluster) -> float:
+    """(N T f + N T_train b) / P with the cheapest f and b (P counts ranks by speed)."""
+    branches = 2 if costs.true_cfg else 1
+    f = branches * min(costs.forward_s.values()) + (costs.decode_s + costs.reward_s) / wl.num_steps
+    b = min(costs.train_s.values())
+    capacity = sum(cluster.speed(r) for r in range(cluster.nproc))
+    return wl.trajectories * (wl.num_steps * f + wl.train_steps * b) / capacity
+
+
+# --- a tiny discrete-event engine ---------------------------------------------------------------
+class _Sim:
+    """Actors are generators yielding ("delay", s) or ("until", predicate); busy time is kept."""
+
+    def __init__(self):
+        self.now, self._timed, self._blocked, self._order = 0.0, [], [], 0
+        self.intervals = defaultdict(list)  # rank -> [(start, end)]
+
+    def spawn(self, actor) -> None:
+        self._advance(actor)
+
+    def _advance(self, actor) -> None:
+        request = next(actor, None)
+        if request is None:
+            return
+        kind, value = request
+        if kind == "delay":
+            heapq.heappush(self._timed, (self.now + value, self._order, actor))
+            self._order += 1
+        else:
+            self._blocked.append((value, actor))
+
+    def run(self) -> None:
+        while True:
+            progressed = True
+            while progressed:
+                progressed = False
+                for entry in list(self._blocked):
+                    if entry[0]():
+                        self._blocked.remove(entry)
+                        self._advance(entry[1])
+                        progressed = True
+            if not self._timed:
+                if self._blocked:
+                    raise RuntimeError("simulation deadlocked: every actor waits")
+                return
+            self.now, _, actor = heapq.heappop(self._timed)
+            self._advance(actor)
+
+    def busy(self, ranks, seconds: float):
+        start = self.now
+        yield ("delay", max(seconds, 0.0))
+        for r in ranks:
+            self.intervals[r].append((start, self.now))
