@@ -1,6 +1,6 @@
 """Flow-GRPO math: the SDE sampling step and its log-prob, group advantages, the clipped loss, KL.
 
-Pure tensor functions, float32 inside, no model and no process group. DESIGN.md section 3.
+Pure tensor functions, float32 inside, no model and no process group. docs/DESIGN.md section 3.
 
     import torch, grpo
     x = torch.randn(4, 64, 16); v = torch.randn_like(x)
@@ -47,7 +47,7 @@ def _sample_or_score(mean, std, noise, prev_sample):
 
 
 def sde_step_with_logprob(velocity, latents, sigma, sigma_next, noise_level, noise=None, prev_sample=None):
-    """One Flow-GRPO SDE step x_sigma -> x_sigma_next (DESIGN.md section 3; Flow-GRPO eq. 9).
+    """One Flow-GRPO SDE step x_sigma -> x_sigma_next (docs/DESIGN.md section 3; Flow-GRPO eq. 9).
 
     velocity, latents: [B, ...]; sigma, sigma_next: floats or [B] tensors (per-sample timesteps, so
     packed pairs from different timesteps share one call); noise_level: the `a` of the paper.
@@ -94,7 +94,7 @@ def dance_sde_step_with_logprob(velocity, latents, sigma, sigma_next, eta, noise
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4, clip: float = 5.0) -> torch.Tensor:
-    """A_i = (r_i - mean_group) / (std_group + eps), clipped to +-clip (DESIGN.md section 3).
+    """A_i = (r_i - mean_group) / (std_group + eps), clipped to +-clip (docs/DESIGN.md section 3).
 
     rewards: [N] with the members of a group contiguous (N = groups * group_size). Per-group std is a
     documented departure from Flow-GRPO's default global std: it keeps a fragment self-contained.

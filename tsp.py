@@ -1,6 +1,6 @@
 """TSP, time-step parallelism: a fragment's (sample, timestep) pairs, packed and spread evenly over trainers.
 
-Paper: DigenRL, "time-step parallelism" (DESIGN.md section 5). A diffusion trajectory is trained at
+Paper: DigenRL, "time-step parallelism" (docs/DESIGN.md section 5). A diffusion trajectory is trained at
 T_train timesteps, and each (sample, timestep) pair is an independent forward+backward: the policy
 loss of one SDE step depends only on x_t, x_t+1, sigma_t and the sample's advantage. So a fragment's
 m * T_train pairs can be packed `pack` at a time into one forward with per-sample timesteps, and

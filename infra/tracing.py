@@ -5,7 +5,7 @@ Each rank owns a `Tracer` and wraps the work it does in spans of a fixed set of 
 writes them as a Chrome trace (drag it into https://ui.perfetto.dev) and as a Gantt chart
 where idle time shows up as white and explicit waiting as light grey. `summarize` turns
 the same spans into the numbers bench.py reports: busy fraction per rank and the bubble
-fraction (DESIGN.md section 6).
+fraction (docs/DESIGN.md section 6).
 
     tracer = Tracer(rank=dist.get_rank(), role="trainer")
     tracer.align()                                  # barrier, then t0 on every rank

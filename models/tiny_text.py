@@ -32,7 +32,7 @@ def clip_tokenizer(max_length: int):
             vocab.setdefault(pieces[0], len(vocab))
     merges = list(dict.fromkeys(merges))
     tok = CLIPTokenizer(vocab=vocab, merges=merges)
-    tok.model_max_length = max_length  # DESIGN.md section 7: tokenizers need an explicit model_max_length
+    tok.model_max_length = max_length  # docs/DESIGN.md section 7: tokenizers need an explicit model_max_length
     return tok
 
 
@@ -137,7 +137,7 @@ def qwen2_tokenizer(max_length: int, template: str, prefix_tokens: int):
         return Qwen2Tokenizer(vocab=vocab, merges=merges, extra_special_tokens=specials[1:])
 
     tok = _fit_prefix(build, template.split("{}")[0], prefix_tokens)
-    tok.model_max_length = max_length  # DESIGN.md section 7: tokenizers need an explicit model_max_length
+    tok.model_max_length = max_length  # docs/DESIGN.md section 7: tokenizers need an explicit model_max_length
     return tok
 
 

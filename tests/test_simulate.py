@@ -30,7 +30,7 @@ def test_gap_one_rollout_one_trainer_by_hand(f, b):
     g, t = 4 * 5 * f, 4 * 3 * b  # per fragment
     # Fragments arrive at g, 2g, 3g; the trainer trains each on arrival, so it ends at max(g + 3t, 3g + t).
     expected = max(g + 3 * t, 3 * g + t) + 0.05
-    assert expected == pytest.approx(max(3 * g, 3 * t) + min(3 * g, 3 * t) / 3 + 0.05)  # DESIGN.md section 5's formula
+    assert expected == pytest.approx(max(3 * g, 3 * t) + min(3 * g, 3 * t) / 3 + 0.05)  # docs/DESIGN.md section 5's formula
     for mode in ("gap", "gap+tsp"):  # with K = 1, TSP changes nothing
         assert sim.simulate(mode, _costs(f, b), ONE_EACH, WL).step_s == pytest.approx(expected)
 

@@ -1,4 +1,4 @@
-"""Every placement/mechanism mode side by side, same model, seed and batch (DESIGN.md section 6).
+"""Every placement/mechanism mode side by side, same model, seed and batch (docs/DESIGN.md section 6).
 
     python tools/bench.py --quick --validate            # tiny FLUX, 2 CPU ranks, 6 modes; + simulate.py
     python tools/bench.py --quick --hetero 0=0.5        # + rank 0 at half speed: measured vs predicted

@@ -69,7 +69,7 @@ def gpu_check(size: str, device_name: str, out_dir: str) -> int:
     dtype = torch.bfloat16 if cuda else torch.float32
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     if cuda:
-        torch.backends.cuda.enable_cudnn_sdp(False)  # DESIGN.md section 7: cuDNN SDPA backward crashed on H200
+        torch.backends.cuda.enable_cudnn_sdp(False)  # docs/DESIGN.md section 7: cuDNN SDPA backward crashed on H200
     start = time.perf_counter()
     torch.manual_seed(0)
     torch.set_default_dtype(dtype)

@@ -32,7 +32,8 @@ def _worker(rank, world, port, sizes_mb, tensor_mb, reps, results):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(minutes=30))
-    group = dist.new_group(list(range(world)), backend="gloo")
+    group = dist.new_group(list(range(world)), backend="gloo")  # the publish group (the mailbox thread's)
+    control = dist.new_group(list(range(world)), backend="gloo")  # the main threads' barriers (comm.py rule 3)
     for size_mb in sizes_mb:
         n = max(1, round(size_mb / tensor_mb))
         numel = int(size_mb * 2**20 / n / 2)  # bf16: 2 bytes per value
@@ -40,14 +41,14 @@ def _worker(rank, world, port, sizes_mb, tensor_mb, reps, results):
         mailbox = async_policy.Mailbox(0, group, like=tensors) if rank else None
         times = []
         for version in range(reps):
-            dist.barrier(group=group)
+            dist.barrier(group=control)
             start = time.perf_counter()
             if rank == 0:
                 async_policy.publish(tensors, n, version, 0, group)
             else:
                 mailbox.wait_for(version)
                 mailbox.swap_into(tensors)
-            dist.barrier(group=group)
+            dist.barrier(group=control)
             times.append(time.perf_counter() - start)
         if rank == 0:
             async_policy.publish([], 0, async_policy.STOP, 0, group)

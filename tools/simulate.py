@@ -1,4 +1,4 @@
-"""Cost model of an RL step for every placement/mechanism mode on any cluster (DESIGN.md 5-6).
+"""Cost model of an RL step for every placement/mechanism mode on any cluster (docs/DESIGN.md sections 5-6).
 
     python tools/simulate.py --costs bench_runs/quick/costs.json   # replay a bench-measured profile
     python tools/simulate.py --costs ... --rank-speed 0=0.5        # rank 0 at half speed
