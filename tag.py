@@ -60,6 +60,7 @@ class StepState:
     group_size: int = 0  # > 0: the split is by trajectories instead: ceil(n G / K) / G group times
     quantum: int = 1  # TAG claims multiples of this many groups (K under FSDP: equal forwards)
     rollout_start_s: float = 0.0  # idle rollout ranks claim from then on (step boundary: weights in)
+    trainer_start_s: float = 0.0  # the trainer group is busy until then (step boundary: its own publish)
 
 
 def predict_step_end(state: StepState, assist: int) -> float:
@@ -90,7 +91,7 @@ def predict_step_end(state: StepState, assist: int) -> float:
     # Trainer side, in the runtime's order: train whatever has arrived; else generate the claimed
     # TAG groups (split over the K trainers) and train them; else wait for the next arrival.
     arrivals.sort()
-    clock, i, pending = 0.0, 0, n
+    clock, i, pending = state.trainer_start_s, 0, n
     while i < len(arrivals) or pending:
         if i < len(arrivals) and arrivals[i][0] <= clock:
             clock += arrivals[i][1] * state.train_s
@@ -165,7 +166,7 @@ class Assistant:
         self.taken = collections.Counter()  # step -> groups TAG claimed
         self.generated = collections.Counter()  # step -> groups TAG generated
 
-    def state(self, step: int, groups_done: int, rollout_start_s: float = 0.0) -> StepState | None:
+    def state(self, step: int, groups_done: int, start_s: float = 0.0) -> StepState | None:
         gen_rollout = self.rollout_gen_s()
         if gen_rollout is None or self.train.value is None:
             return None  # no estimates yet: the first fragments measure them
@@ -178,13 +179,13 @@ class Assistant:
             gen_trainer_s=self.gen_trainer.value if self.gen_trainer.value is not None
             else gen_rollout / self.fragment_groups,  # unmeasured: assume the trainer GPU generates like a rollout one
             train_s=self.train.value, trainers=self.trainers, quantum=self.quantum,
-            rollout_start_s=rollout_start_s)
+            rollout_start_s=start_s, trainer_start_s=start_s)
 
     def consider(self, step: int, groups_done: int, before_publish: bool = False) -> bool:
         """Claim the predictor's share of `step` for the trainer group; True if it claimed anything.
         Before a publish, the rollout ranks start on `step` only once the new weights reach them."""
         start = (self.publish.value or 0.0) if before_publish else 0.0
-        state = self.state(step, groups_done, rollout_start_s=start)
+        state = self.state(step, groups_done, start_s=start)
         n = assist_groups(state) if state is not None else 0
         claimed = self.claim(step, n) if n else None
         if claimed is None:

@@ -106,7 +106,7 @@ class LinePolicy:
         return latents.float().cpu()
 
 
-def mean_reward(images, prompts):
+def mean_reward(images, prompts, prompt_ids=None):
     return {"total": images.mean(dim=1), "mean": images.mean(dim=1)}  # [B]
 
 

@@ -183,7 +183,8 @@ def _disaggregated(sim, mode, costs, cluster, wl):
                 gen_rollout_s=gen_rollout, gen_trainer_s=gen_round, train_s=train_group,
                 fragment_groups=wl.fragment_groups, trainers=K, quantum=K if wl.fsdp else 1,
                 group_size=G if wl.tag_split == "trajectories" else 0,
-                rollout_start_s=(costs.publish_s + costs.weights_latency_s) if boundary else 0.0))
+                rollout_start_s=(costs.publish_s + costs.weights_latency_s) if boundary else 0.0,
+                trainer_start_s=costs.publish_s if boundary else 0.0))
         return decisions[key]
 
     def tag_claim(step, groups):
