@@ -58,7 +58,7 @@ def run(text: str, cwd: str, cache: str, tmp, timeout: int = 400) -> subprocess.
         os.makedirs(bindir)
         os.symlink(sys.executable, os.path.join(bindir, "python"))
     env = dict(os.environ, PATH=bindir + os.pathsep + os.environ["PATH"], DIGENRL_CACHE=cache,
-               OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")
+               DIGENRL_TEST_CACHE=cache, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")  # one tiny build
     return subprocess.run(["bash", "-euo", "pipefail", "-c", text], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
