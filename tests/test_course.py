@@ -3,7 +3,7 @@ is) in a fresh copy of the checkout; each blanked function makes its grader fail
 blank / restore give back every byte.
 
 The commands are read from COURSE.md's marked blocks (`<!-- check N -->`, `<!-- run N -->`,
-`<!-- blank N -->` before a bash block), so the page cannot drift from what is tested. Smaller
+`<!-- blank N -->`, `<!-- handout -->` before a bash block), so the page cannot drift from what is tested. Smaller
 configurations than the page's, to keep this file near a minute on 2 cores:
 - assignment 4: bench.py runs 3 steps of T = 8 (the page: --quick's 8 steps of T = 24);
 - assignment 6: learning_bench.py runs seed 0 for 2 steps (the page: seeds 0-2, 200 steps);
@@ -12,6 +12,7 @@ configurations than the page's, to keep this file near a minute on 2 cores:
   gradient test loads the model; the check of assignment 1 runs it on the reference).
 """
 import dataclasses
+import importlib.util
 import os
 import re
 import shutil
@@ -33,7 +34,8 @@ BLANKED = {1: ["tsp.py"], 2: ["tag.py"], 3: ["async_policy.py"]}  # what each bl
 def blocks(kind: str) -> dict[int, str]:
     with open(PAGE) as f:
         text = f.read()
-    return {int(n): body for n, body in re.findall(rf"<!-- {kind} (\d+) -->\n```bash\n(.*?)```", text, re.S)}
+    found = re.findall(rf"<!-- {kind} ?(\d*) -->\n```bash\n(.*?)```", text, re.DOTALL)
+    return {int(n or 0): body for n, body in found}  # unnumbered: 0
 
 
 def fresh_copy(dest) -> str:
@@ -77,6 +79,7 @@ def checkout(tmp_path_factory, tiny_cache):
 def test_the_page_marks_every_command():
     assert sorted(blocks("check")) == [1, 2, 3, 4, 5, 6]
     assert sorted(blocks("blank")) == sorted(BLANKED) and sorted(blocks("run")) == [5]
+    assert list(blocks("handout")) == [0]
     with open(PAGE) as f:
         assert len(re.findall(r"^## \d\. ", f.read(), re.M)) == 6
 
@@ -168,6 +171,18 @@ def test_blanked_functions_fail_their_graders_and_restore_gives_every_byte_back(
         with open(os.path.join(ROOT, rel), "rb") as a, open(os.path.join(copy, rel), "rb") as b:
             assert a.read() == b.read(), rel
     assert not os.listdir(os.path.join(copy, ".course"))  # no backup left behind
+    # the teachers' hand-out recipe: blanked functions, no originals, no notes; the copy restored
+    proc = run(blocks("handout")[0], copy, tiny_cache, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    handout = os.path.join(os.path.dirname(copy), "digenrl-handout")
+    with open(os.path.join(handout, "tag.py")) as f:
+        assert f.read().count("NotImplementedError('course assignment") == 2
+    assert not os.path.exists(os.path.join(handout, ".course"))
+    assert not os.path.exists(os.path.join(handout, "docs", "COURSE_NOTES.md"))
+    assert os.path.isfile(os.path.join(handout, "docs", "COURSE.md"))
+    for rel in ("tsp.py", "tag.py", "async_policy.py"):
+        with open(os.path.join(ROOT, rel), "rb") as a, open(os.path.join(copy, rel), "rb") as b:
+            assert a.read() == b.read(), rel
 
 
 @pytest.fixture
@@ -189,18 +204,20 @@ def test_blank_restore_round_trip_refusals_and_your_version_kept(project):
     stub = (project / "tag.py").read_text()
     assert stub.count("raise NotImplementedError") == 2 and "def should_assist" in stub
     assert '"""Seconds from now until the trainer group' in stub  # the docstring stays
-    namespace = {}
-    exec(compile((project / "tsp.py").read_text(), "tsp.py", "exec"), namespace)  # still imports
+    spec = importlib.util.spec_from_file_location("blanked_tsp", project / "tsp.py")
+    blanked = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(blanked)  # the stub still imports
     with pytest.raises(NotImplementedError, match="tsp_packs"):
-        namespace["tsp_packs"](2, 2, 0, 1, 2)
-    assert namespace["num_passes"](4, 3, 2, 4) == 2  # the rest of the file is untouched
+        blanked.tsp_packs(2, 2, 0, 1, 2)
+    assert blanked.num_passes(4, 3, 2, 4) == 2  # the rest of the file is untouched
     with pytest.raises(course.CourseError, match="blanked already"):
         course.blank(["tag.py:assist_groups"])  # twice: refused, the backup is not overwritten
     assert course.blanked_files() == ["tag.py", "tsp.py"]
     assert course.restore("tsp.py") is None
     (project / "tag.py").write_text(stub + "# my attempt\n")
     kept = course.restore("tag.py")
-    assert open(kept).read() == stub + "# my attempt\n"  # the student's work is kept aside
+    with open(kept) as f:
+        assert f.read() == stub + "# my attempt\n"  # the student's work is kept aside
     for rel, (data, mode) in before.items():
         assert (project / rel).read_bytes() == data and os.stat(project / rel).st_mode == mode, rel
     assert course.blanked_files() == []
