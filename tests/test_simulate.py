@@ -169,3 +169,40 @@ def test_simulate_does_not_import_paper_scale():
                 for a in n.names} | {n.module for n in ast.walk(tree)
                                      if isinstance(n, ast.ImportFrom) and n.module}
     assert not any("paper_scale" in name for name in imported)
+
+
+def test_sweep_simulates_each_value_of_one_workload_field(tmp_path, capsys):
+    import dataclasses
+    import json
+    costs = _costs(f=0.03, b=0.005, publish=0.01, optimizer=0.2)
+    wl = sim.Workload(groups=4, group_size=4, num_steps=5, train_steps=3, fragment_groups=2, steps=8)
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"costs": costs.__dict__, "workload": wl.__dict__,
+                                "cluster": ONE_EACH.__dict__}))
+    out = tmp_path / "sweep.json"
+    modes = ["gap+tsp+async", "digenrl"]
+    assert sim.main(["--costs", str(path), "--modes", ",".join(modes), "--sweep", "num_steps=4,12",
+                     "--steps", "8", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["num_steps"], r["mode"]) for r in rows] == [(t, m) for t in (4, 12) for m in modes]
+    for row in rows:  # each value is the workload simulated, not the file's
+        rep = sim.simulate(row["mode"], costs, ONE_EACH, dataclasses.replace(wl, num_steps=row["num_steps"]))
+        assert row["step_s"] == pytest.approx(rep.step_s)
+    assert rows[0]["step_s"] < rows[2]["step_s"]  # more sampling steps, longer step
+    printed = capsys.readouterr().out
+    assert "## num_steps=12  Gen/Tr" in printed and printed.count("digenrl ") == 2
+    ratio = sim.gen_train_ratio(costs, ONE_EACH, dataclasses.replace(wl, num_steps=12))
+    assert ratio == pytest.approx((4 * 4 * 12 * 0.03) / (4 * 4 * 3 * 0.005))  # N T f / N T_train b
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--sweep", "steps=8,9"], "FIELD one of"), (["--sweep", "num_steps=8,x"], "must be integers"),
+    (["--sweep", "num_steps=0"], ">= 1"), (["--modes", "gap+warp"], "unknown mode")])
+def test_sweep_and_modes_refuse_bad_input(tmp_path, capsys, flags, message):
+    import json
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"costs": _costs(0.01, 0.01).__dict__, "workload": WL.__dict__,
+                                "cluster": ONE_EACH.__dict__}))
+    with pytest.raises(SystemExit) as exit_info:
+        sim.main(["--costs", str(path), *flags])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

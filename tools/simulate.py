@@ -2,6 +2,7 @@
 
     python tools/simulate.py --costs bench_runs/quick/costs.json   # replay a bench-measured profile
     python tools/simulate.py --costs ... --rank-speed 0=0.5        # rank 0 at half speed
+    python tools/simulate.py --costs ... --modes gap+tsp,gap+tsp+tag --sweep num_steps=12,24,48
     python tools/paper_scale.py                                     # the seed models on 16/32 H200s
 
 `simulate(mode, costs, cluster, workload)` runs a small discrete-event simulation that follows the
@@ -317,6 +318,34 @@ def format_report(rep: StepReport) -> str:
             f"bubble {rep.bubble:5.2f}  busy {busy:<14} tag groups/step {rep.tag_groups:4.1f}")
 
 
+SWEEP_FIELDS = ("num_steps", "train_steps", "groups", "group_size", "fragment_groups", "tsp_pack",
+                "max_stale")
+
+
+def parse_sweep(spec: str) -> tuple[str, list[int]]:
+    """'num_steps=12,24,48' -> ("num_steps", [12, 24, 48]): one Workload field and its values."""
+    field, sep, values = spec.partition("=")
+    if not sep or field not in SWEEP_FIELDS:
+        raise ValueError(f"--sweep {spec!r}: expected FIELD=V1,V2,... with FIELD one of "
+                         f"{', '.join(SWEEP_FIELDS)}")
+    try:
+        numbers = [int(v) for v in values.split(",")]
+    except ValueError:
+        raise ValueError(f"--sweep {spec!r}: the values must be integers, got {values!r}") from None
+    lowest = 0 if field == "max_stale" else 1  # j = 0: no fragment generated ahead
+    if min(numbers) < lowest:
+        raise ValueError(f"--sweep {spec!r}: the values must be >= {lowest}")
+    return field, numbers
+
+
+def gen_train_ratio(costs: Costs, cluster: Cluster, wl: Workload) -> float:
+    """Gen / Tr of one step (DESIGN.md section 5): the batch's generation spread over the R rollout
+    ranks over its training under TSP on the K trainers (padding included), at the ranks' speeds."""
+    R, K = cluster.rollout_ranks, cluster.nproc - cluster.rollout_ranks
+    gen = wl.fragments * generation_s(costs, wl.m, wl.num_steps, 1.0) / sum(map(cluster.speed, range(R)))
+    return gen / (wl.fragments * train_tsp_s(costs, wl, wl.m, K, cluster.speed(R)))
+
+
 def parse_rank_speed(spec: str | None) -> dict:
     from infra.emulate import parse_rank_speed as parse
     return parse(spec)
@@ -330,8 +359,20 @@ def main(argv=None) -> int:
     parser.add_argument("--rollout-ranks", type=int, help="R; 0 = search the best split per mode")
     parser.add_argument("--rank-speed", help="RANK=FACTOR,... e.g. 0=0.5 (as main.py --rank-speed)")
     parser.add_argument("--steps", type=int, default=10, help="simulated RL steps")
+    parser.add_argument("--modes", help="comma-separated modes (default: " + ",".join(MODES) + "); a "
+                        "'+'-joined mix of gap/tsp/tag/async is a mode too")
+    parser.add_argument("--sweep", metavar="FIELD=V1,V2,...",
+                        help="simulate once per value of one workload field (" + ", ".join(SWEEP_FIELDS)
+                        + "), e.g. num_steps=12,24,48: where a mechanism starts to pay")
     parser.add_argument("--out", help="also write the reports as JSON here")
     args = parser.parse_args(argv)
+    modes = args.modes.split(",") if args.modes else list(MODES)
+    try:
+        for mode in modes:
+            mechanisms(mode)
+        field, values = parse_sweep(args.sweep) if args.sweep else (None, [None])
+    except ValueError as exc:
+        parser.error(str(exc))
     costs, data = load_costs(args.costs)
     wl = Workload(**{**data["workload"], "steps": args.steps})
     cluster = Cluster(**{**data["cluster"], **({"nproc": args.nproc} if args.nproc else {})})
@@ -342,12 +383,18 @@ def main(argv=None) -> int:
           f"T_train={wl.train_steps} rank speeds {cluster.rank_speed or 'all 1'}  "
           f"[{costs.provenance}]")
     run = best_split if args.rollout_ranks == 0 else simulate
-    reports = [run(m, costs, cluster, wl) for m in MODES]
-    for rep in reports:
-        print(format_report(rep))
+    rows = []
+    for value in values:
+        w = dataclasses.replace(wl, **{field: value}) if field else wl
+        if field:
+            print(f"## {field}={value}  Gen/Tr {gen_train_ratio(costs, cluster, w):.2f}")
+        for mode in modes:
+            rep = run(mode, costs, cluster, w)
+            print(format_report(rep))
+            rows.append({**({field: value} if field else {}), **dataclasses.asdict(rep)})
     if args.out:
         with open(args.out, "w") as f:
-            json.dump([dataclasses.asdict(r) for r in reports], f, indent=1)
+            json.dump(rows, f, indent=1)
     return 0
 
 

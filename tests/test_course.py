@@ -1,0 +1,235 @@
+"""docs/COURSE.md runs as written: each assignment's commands on the reference code (the project as it
+is) in a fresh copy of the checkout; each blanked function makes its grader fail; tools/course.py's
+blank / restore give back every byte.
+
+The commands are read from COURSE.md's marked blocks (`<!-- check N -->`, `<!-- run N -->`,
+`<!-- blank N -->`, `<!-- handout -->` before a bash block), so the page cannot drift from what is tested. Smaller
+configurations than the page's, to keep this file near a minute on 2 cores:
+- assignment 4: bench.py runs 3 steps of T = 8 (the page: --quick's 8 steps of T = 24);
+- assignment 6: learning_bench.py runs seed 0 for 2 steps (the page: seeds 0-2, 200 steps);
+- assignment 5's YOUR_T / YOUR_T_SLOW are the reference thresholds, computed here from simulate.py;
+- the blanked graders run in one pytest process, assignment 1's on its shard test only (its
+  gradient test loads the model; the check of assignment 1 runs it on the reference).
+"""
+import dataclasses
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from xml.etree import ElementTree
+
+import pytest
+
+from conftest import ROOT
+from tools import course, simulate
+
+pytestmark = pytest.mark.timeout(600)
+PAGE = os.path.join(ROOT, "docs", "COURSE.md")
+NOTES = os.path.join(ROOT, "docs", "COURSE_NOTES.md")
+BLANKED = {1: ["tsp.py"], 2: ["tag.py"], 3: ["async_policy.py"]}  # what each blank block changes
+
+
+def blocks(kind: str) -> dict[int, str]:
+    with open(PAGE) as f:
+        text = f.read()
+    found = re.findall(rf"<!-- {kind} ?(\d*) -->\n```bash\n(.*?)```", text, re.DOTALL)
+    return {int(n or 0): body for n, body in found}  # unnumbered: 0
+
+
+def fresh_copy(dest) -> str:
+    """The checkout's files (tracked, and new files git does not ignore), as a fresh clone has them."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True,
+                            text=True)
+    if listed.returncode == 0:
+        for rel in listed.stdout.splitlines():
+            if os.path.isfile(os.path.join(ROOT, rel)):  # (a deleted, not yet committed file is listed)
+                os.makedirs(os.path.dirname(os.path.join(dest, rel)), exist_ok=True)
+                shutil.copy2(os.path.join(ROOT, rel), os.path.join(dest, rel))
+    else:  # not a git checkout (an unpacked archive)
+        shutil.copytree(ROOT, dest, dirs_exist_ok=True, ignore=shutil.ignore_patterns(
+            ".git", ".course", "runs", "bench_runs", "__pycache__", ".pytest_cache"))
+    return str(dest)
+
+
+def run(text: str, cwd: str, cache: str, tmp, timeout: int = 400) -> subprocess.CompletedProcess:
+    """A block as a bash script (stops at the first failing line); `python` is this interpreter."""
+    bindir = os.path.join(tmp, "bin")
+    if not os.path.exists(bindir):
+        os.makedirs(bindir)
+        os.symlink(sys.executable, os.path.join(bindir, "python"))
+    env = dict(os.environ, PATH=bindir + os.pathsep + os.environ["PATH"], DIGENRL_CACHE=cache,
+               DIGENRL_TEST_CACHE=cache, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")  # one tiny build
+    return subprocess.run(["bash", "-euo", "pipefail", "-c", text], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def smaller(text: str, old: str, new: str) -> str:
+    assert old in text, f"COURSE.md changed: {old!r} is gone; update the smaller configuration here"
+    return text.replace(old, new)
+
+
+@pytest.fixture(scope="module")
+def checkout(tmp_path_factory, tiny_cache):
+    tmp = tmp_path_factory.mktemp("course")
+    return fresh_copy(tmp / "digenrl"), tiny_cache, tmp
+
+
+def test_the_page_marks_every_command():
+    assert sorted(blocks("check")) == [1, 2, 3, 4, 5, 6]
+    assert sorted(blocks("blank")) == sorted(BLANKED) and sorted(blocks("run")) == [5]
+    assert list(blocks("handout")) == [0]
+    with open(PAGE) as f:
+        assert len(re.findall(r"^## \d\. ", f.read(), re.M)) == 6
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_code_assignment_checks_pass_on_the_reference(checkout, n):
+    copy, cache, tmp = checkout
+    proc = run(blocks("check")[n], copy, cache, tmp)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout
+
+
+def test_gap_assignment_check(checkout):
+    copy, cache, tmp = checkout
+    text = smaller(blocks("check")[4], "--modes naive,gap --out", "--modes naive,gap --steps 3 --num-steps 8 --out")
+    proc = run(text, copy, cache, tmp)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("[ok]") == 3
+    for mode in ("naive", "gap"):
+        assert os.path.getsize(os.path.join(copy, "runs", "course", "gap", mode, "timeline.png")) > 0
+    # the check can fail: the same runs with the modes' roles swapped contradict every claim but none
+    assert not course.check_gap(os.path.join(copy, "runs", "course", "gap"), off="gap", on="naive")
+
+
+def gain(costs, cluster, wl, num_steps) -> float:
+    """The page's definition: 1 - DigenRL's simulated step time / the same without TAG."""
+    w = dataclasses.replace(wl, num_steps=num_steps)
+    return 1 - (simulate.simulate("digenrl", costs, cluster, w).step_s
+                / simulate.simulate("gap+tsp+async", costs, cluster, w).step_s)
+
+
+def reference_threshold(rank_speed: dict) -> int:
+    costs, data = simulate.load_costs(os.path.join(ROOT, "docs", "course_costs.json"))
+    wl, cluster = simulate.Workload(**data["workload"]), simulate.Cluster(**data["cluster"])
+    cluster.rank_speed = rank_speed
+    return next(t for t in range(wl.train_steps + 1, 400) if gain(costs, cluster, wl, t) >= course.MIN_GAIN)
+
+
+def test_tag_assignment_runs_and_its_check_accepts_only_the_threshold(checkout, capsys):
+    copy, cache, tmp = checkout
+    proc = run(blocks("run")[5], copy, cache, tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("## num_steps=") == 6 + 7 + 4 and proc.stdout.count("digenrl ") == 7 + 4
+    t_ref, t_slow = reference_threshold({}), reference_threshold({0: 0.5})
+    text = blocks("check")[5].replace("YOUR_T_SLOW", str(t_slow)).replace("YOUR_T", str(t_ref))
+    proc = run(text, copy, cache, tmp)
+    assert proc.returncode == 0 and proc.stdout.count("[ok]") == 2, proc.stdout + proc.stderr
+    costs = os.path.join(ROOT, "docs", "course_costs.json")
+    for wrong in (t_ref - 1, t_ref + 1):  # not yet helping / not where it starts
+        assert course.main(["check-tag", "--costs", costs, "--num-steps", str(wrong)]) == 1
+    assert course.main(["check-tag", "--costs", costs, "--num-steps", "8"]) == 2  # T <= T_train
+    # the teachers' notes quote these thresholds
+    with open(NOTES) as f:
+        quoted = re.search(r"<!-- check-tag reference: T=(\d+) T_slow=(\d+) -->", f.read())
+    assert quoted and (int(quoted[1]), int(quoted[2])) == (t_ref, t_slow)
+
+
+def test_tcss_assignment_check(checkout):
+    copy, cache, tmp = checkout
+    text = smaller(blocks("check")[6], "--seeds 0,1,2", "--seeds 0 --steps 2")
+    proc = run(text, copy, cache, tmp)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = os.path.join(copy, "runs", "course", "tcss")
+    assert {"reward_curves.png", "reward_curves_wall.png", "time_to_reward.json"} <= set(os.listdir(out))
+    assert "to reward" in proc.stdout
+
+
+def test_blanked_functions_fail_their_graders_and_restore_gives_every_byte_back(tmp_path, tiny_cache):
+    copy = fresh_copy(tmp_path / "digenrl")
+    for n, text in blocks("blank").items():
+        proc = run(text, copy, tiny_cache, tmp_path)
+        assert proc.returncode == 0, proc.stderr
+        for rel in BLANKED[n]:
+            with open(os.path.join(copy, rel)) as f:
+                assert "NotImplementedError('course assignment" in f.read()
+    graders = ["tests/test_tsp_tag.py::test_tsp_shards_cover_every_pair_once_with_equal_pass_counts",
+               "tests/test_tag_predictor.py", "tests/test_tcss_rule.py"]
+    report = tmp_path / "graders.xml"
+    proc = run(f"python -m pytest -q -p no:cacheprovider --junitxml={report} {' '.join(graders)}", copy, tiny_cache,
+               tmp_path)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    failed = {case.get("classname") for case in ElementTree.parse(report).iter("testcase")
+              if any("NotImplementedError" in (f.get("message") or "") for f in case.iter("failure"))}
+    # each grader fails on its stub (test_tag_predictor's split-time test does not call the predictor)
+    assert failed == {"tests.test_tsp_tag", "tests.test_tag_predictor", "tests.test_tcss_rule"}, proc.stdout[-3000:]
+    proc = run("python tools/course.py restore tsp.py tag.py async_policy.py", copy, tiny_cache, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    for rel in ("tsp.py", "tag.py", "async_policy.py"):
+        with open(os.path.join(ROOT, rel), "rb") as a, open(os.path.join(copy, rel), "rb") as b:
+            assert a.read() == b.read(), rel
+    assert not os.listdir(os.path.join(copy, ".course"))  # no backup left behind
+    # the teachers' hand-out recipe: blanked functions, no originals, no notes; the copy restored
+    proc = run(blocks("handout")[0], copy, tiny_cache, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    handout = os.path.join(os.path.dirname(copy), "digenrl-handout")
+    with open(os.path.join(handout, "tag.py")) as f:
+        assert f.read().count("NotImplementedError('course assignment") == 2
+    assert not os.path.exists(os.path.join(handout, ".course"))
+    assert not os.path.exists(os.path.join(handout, "docs", "COURSE_NOTES.md"))
+    assert os.path.isfile(os.path.join(handout, "docs", "COURSE.md"))
+    for rel in ("tsp.py", "tag.py", "async_policy.py"):
+        with open(os.path.join(ROOT, rel), "rb") as a, open(os.path.join(copy, rel), "rb") as b:
+            assert a.read() == b.read(), rel
+
+
+@pytest.fixture
+def project(tmp_path, monkeypatch):
+    """tools/course.py pointed at a small project in tmp_path (in-process: no subprocess cost)."""
+    for rel in ("tsp.py", "tag.py"):
+        shutil.copy2(os.path.join(ROOT, rel), tmp_path / rel)
+    os.chmod(tmp_path / "tag.py", 0o640)
+    monkeypatch.setattr(course, "ROOT", str(tmp_path))
+    monkeypatch.setattr(course, "BACKUP_DIR", str(tmp_path / ".course"))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def test_blank_restore_round_trip_refusals_and_your_version_kept(project):
+    before = {rel: ((project / rel).read_bytes(), os.stat(project / rel).st_mode) for rel in ("tsp.py", "tag.py")}
+    assert course.blank(["tsp.py:tsp_packs", "tag.py:predict_step_end", "tag.py:Assistant.forget"]) == ["tsp.py",
+                                                                                                          "tag.py"]
+    stub = (project / "tag.py").read_text()
+    assert stub.count("raise NotImplementedError") == 2 and "def should_assist" in stub
+    assert '"""Seconds from now until the trainer group' in stub  # the docstring stays
+    spec = importlib.util.spec_from_file_location("blanked_tsp", project / "tsp.py")
+    blanked = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(blanked)  # the stub still imports
+    with pytest.raises(NotImplementedError, match="tsp_packs"):
+        blanked.tsp_packs(2, 2, 0, 1, 2)
+    assert blanked.num_passes(4, 3, 2, 4) == 2  # the rest of the file is untouched
+    with pytest.raises(course.CourseError, match="blanked already"):
+        course.blank(["tag.py:assist_groups"])  # twice: refused, the backup is not overwritten
+    assert course.blanked_files() == ["tag.py", "tsp.py"]
+    assert course.restore("tsp.py") is None
+    (project / "tag.py").write_text(stub + "# my attempt\n")
+    kept = course.restore("tag.py")
+    with open(kept) as f:
+        assert f.read() == stub + "# my attempt\n"  # the student's work is kept aside
+    for rel, (data, mode) in before.items():
+        assert (project / rel).read_bytes() == data and os.stat(project / rel).st_mode == mode, rel
+    assert course.blanked_files() == []
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("tsp.py:nope", "no function 'nope'.*tsp_packs"), ("tsp.py", "expected FILE:FUNCTION"),
+    ("missing.py:f", "not a .py file of this project"), ("../x.py:f", "not a .py file of this project")])
+def test_blank_refuses_bad_specs_and_writes_nothing(project, spec, message):
+    original = (project / "tsp.py").read_bytes()
+    with pytest.raises(course.CourseError, match=message):
+        course.blank(["tag.py:predict_step_end", spec])
+    assert (project / "tsp.py").read_bytes() == original and not os.path.exists(project / ".course")
+    with pytest.raises(course.CourseError, match="not blanked"):
+        course.restore("tsp.py")
