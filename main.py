@@ -292,11 +292,12 @@ def trainer_rank(r: Rank):
         if assistant is not None:
             assistant.published(time.perf_counter() - start)
 
-    last = {"t": time.perf_counter()}
+    last = {"t": time.perf_counter(), "start": time.perf_counter()}
 
     def end_step(step: int, metrics: dict) -> None:
         """Log, evaluate and checkpoint (the leader; under FSDP evaluation and gathering are collectives)."""
-        metrics.update(step_time_s=time.perf_counter() - last["t"], version=trainer.version)
+        now = time.perf_counter()  # wall_s: seconds since this process's first step (compare_runs' time to reward)
+        metrics.update(step_time_s=now - last["t"], wall_s=now - last["start"], version=trainer.version)
         if leader or cfg.fsdp:
             scores = images = state = None
             if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):

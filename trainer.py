@@ -177,6 +177,7 @@ class Trainer:
             for k in ("approx_kl", "clipfrac", "ratio_mean") + (("kl",) if "kl" in stats else ()):
                 m.add(k, stats[k] * real)
             m.add(f"ratio_mean_{kind}", stats["ratio_mean"] * real)
+            m.add(f"clipfrac_{kind}", stats["clipfrac"] * real)  # stale pairs the clip discards (TCSS's cost)
             m.low("ratio_min", stats["ratio_min"]); m.high("ratio_max", stats["ratio_max"])  # noqa: E702
             m.low(f"ratio_min_{kind}", stats["ratio_min"]); m.high(f"ratio_max_{kind}", stats["ratio_max"])  # noqa: E702
             logprob_gap = ((logp - batch["old_log_prob"].to(logp.device)).abs() * mask_t).sum()
@@ -251,6 +252,7 @@ def summarize(m: MetricSums, reward_names: list[str]) -> dict[str, float]:
     for kind in ("fresh", "stale"):
         if s.get(f"pairs_{kind}", 0) > 0:
             out[f"ratio_mean_{kind}"] = s[f"ratio_mean_{kind}"] / s[f"pairs_{kind}"]
+            out[f"clipfrac_{kind}"] = s.get(f"clipfrac_{kind}", 0.0) / s[f"pairs_{kind}"]
             out[f"ratio_min_{kind}"], out[f"ratio_max_{kind}"] = m.mins[f"ratio_min_{kind}"], m.maxs[f"ratio_max_{kind}"]
     mean = s.get("reward_sum", 0.0) / traj
     out["reward_mean"] = mean

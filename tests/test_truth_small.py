@@ -58,6 +58,7 @@ def test_summary_formulas_on_hand_computed_sums():
     m.add("pairs", 10); m.add("pairs_fresh", 6); m.add("pairs_stale", 4)  # noqa: E702
     m.add("approx_kl", 0.002 * 6 + 0.004 * 4); m.add("clipfrac", 0.5 * 4); m.add("ratio_mean", 1.0 * 6 + 1.01 * 4)  # noqa: E702
     m.add("ratio_mean_fresh", 6.0); m.add("ratio_mean_stale", 1.01 * 4); m.add("logprob_gap", 0.03)  # noqa: E702
+    m.add("clipfrac_stale", 0.5 * 4)  # the clipped pairs are the stale ones
     m.add("loss", -0.25)
     for tag, low, high in (("fresh", 1.0, 1.0), ("stale", 0.98, 1.05)):
         m.low("ratio_min", low); m.high("ratio_max", high)  # noqa: E702
@@ -74,7 +75,7 @@ def test_summary_formulas_on_hand_computed_sums():
             "ratio_mean_fresh": 1.0, "ratio_mean_stale": 1.01, "ratio_min": 0.98, "ratio_max": 1.05,
             "ratio_min_stale": 0.98, "ratio_max_fresh": 1.0, "zero_std_group_frac": 0.25, "stale_frac": 0.5,
             "staleness_mean": 0.5, "stale_fragments": 1, "tag_fragments": 1, "trajectories": 8, "pairs": 10,
-            "loss": -0.25}
+            "loss": -0.25, "clipfrac_fresh": 0.0, "clipfrac_stale": 0.5}
     for key, value in want.items():
         assert out[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
 
