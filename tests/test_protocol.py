@@ -62,8 +62,8 @@ def _fragment(version, m=2, t_train=2, dim=4, advantages=None):
                         next_latents=torch.randn(m, t_train, dim, generator=g),
                         timestep_index=torch.arange(t_train).repeat(m, 1), sigmas=torch.full((m, t_train), 0.8),
                         sigmas_next=torch.full((m, t_train), 0.6), log_probs=torch.zeros(m, t_train),
-                        rewards=torch.tensor([0.0, 1.0]), reward_parts=torch.zeros(m, 1),
-                        advantages=torch.tensor([-1.0, 1.0]) if advantages is None else advantages)
+                        rewards=torch.linspace(0, 1, m), reward_parts=torch.zeros(m, 1),
+                        advantages=torch.linspace(-1, 1, m) if advantages is None else advantages)
 
 
 def _trainer(version, **kw):
@@ -206,8 +206,9 @@ def test_concat_and_to_keep_group_order_and_every_header_field():
         part.step, part.policy_version, part.producer = 9, 7, tag.TAG_PRODUCER
     whole = gap.concat_fragments(parts)
     # (step, first_group, policy_version, producer, group_size): a swapped field would mislabel the version
-    assert (whole.step, whole.first_group, whole.policy_version, whole.producer, whole.group_size) == (9, 3, 7, -2, 2)
-    assert whole.to("cpu")._ints() == whole._ints() == [9, 3, 7, -2, 2]
+    header = (whole.step, whole.first_group, whole.policy_version, whole.producer, whole.group_size)
+    assert header == (9, 3, 7, -2, 2)
+    assert whole.to("cpu")._ints() == whole._ints() == list(header)
     assert whole.num_groups == 4
     assert whole.rewards.tolist() == list(range(6, 14)) and whole.cond["e"][:, 0].tolist() == list(range(6, 14))
     assert whole.latents[:, 0, 0].tolist() == list(range(6, 14))
@@ -244,8 +245,9 @@ def test_lockstep_trains_each_announced_fragment_once_and_counts_groups():
         return commands[len(asked) - 1]
 
     announced = {0: _numbered_fragment(0, 2), 1: _numbered_fragment(2, 2), 2: _numbered_fragment(5, 1)}
-    got = list(tsp.lockstep_fragments(6, True, next_command, share_command=lambda c: c, receive=announced.__getitem__,
-                                      share_fragment=lambda f: f, generate=lambda a, b: _numbered_fragment(a, b)))
+    got = list(tsp.lockstep_fragments(6, True, next_command, share_command=lambda c: c,
+                                      receive=announced.__getitem__, share_fragment=lambda f: f,
+                                      generate=lambda a, b: _numbered_fragment(a, b)))
     assert [f.first_group for f in got] == [0, 4, 2, 5]  # each announced fragment once, TAG's groups in between
     assert asked == [(0, 0), (1, 2), (1, 3), (2, 5)]  # the leader is asked with the next sequence and groups done
     # a non-leader follows the leader's commands and never receives from the rollout itself

@@ -90,12 +90,11 @@ def test_fragment_counts_by_hand():
     fresh = [0.5, 0.5, 0.1, 0.3]  # two groups of 2; the first has zero std
     stale = [1.0, 0.0, 0.2, 0.2001]  # generated with version 3 by the trainer group (TAG); no zero-std group
     for rewards, version, producer in ((fresh, 4, 0), (stale, 3, -2)):
-        r = torch.tensor(rewards)
+        r, z = torch.tensor(rewards), torch.zeros
         fragment = gap.Fragment(step=4, first_group=0, policy_version=version, producer=producer, group_size=2,
-                                prompt_ids=torch.zeros(4, dtype=torch.long), cond={}, latents=torch.zeros(4, 1, 2),
-                                next_latents=torch.zeros(4, 1, 2), timestep_index=torch.zeros(4, 1, dtype=torch.long),
-                                sigmas=torch.zeros(4, 1), sigmas_next=torch.zeros(4, 1), log_probs=torch.zeros(4, 1),
-                                rewards=r, reward_parts=(2 * r)[:, None], advantages=torch.zeros(4))
+                                prompt_ids=z(4, dtype=torch.long), cond={}, latents=z(4, 1, 2), next_latents=z(4, 1, 2),
+                                timestep_index=z(4, 1, dtype=torch.long), sigmas=z(4, 1), sigmas_next=z(4, 1),
+                                log_probs=z(4, 1), rewards=r, reward_parts=(2 * r)[:, None], advantages=z(4))
         trainer.count_fragment(fragment, ["double"])
     out = summarize(trainer.metrics, ["double"])
     flat = fresh + stale
@@ -163,7 +162,7 @@ class LinePolicy:
         return latents.float().cpu()
 
 
-def mean_reward(images, prompts, prompt_ids=None):  # generate_fragment passes prompt ids (metadata)
+def mean_reward(images, prompts, prompt_ids=None):  # generate_fragment passes the prompt ids
     return {"total": images.mean(dim=1), "mean": images.mean(dim=1)}  # [B]
 
 

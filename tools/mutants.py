@@ -85,7 +85,8 @@ def mutated_source(m: Mutant) -> tuple[str | None, str]:
     return mutated, ""
 
 
-def run_pytest(workdir: str, tests: list[str], timeout_s: float, test_timeout_s: int) -> tuple[int | None, str, float]:
+def run_pytest(workdir: str, tests: list[str], timeout_s: float,
+               test_timeout_s: int) -> tuple[int | None, str, float]:
     """pytest -x on `tests` in `workdir`; returns (exit code or None on timeout, output, seconds).
     The run gets its own process group, so a timeout ends the ranks main.py spawned too."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1")
@@ -108,7 +109,8 @@ def run_pytest(workdir: str, tests: list[str], timeout_s: float, test_timeout_s:
 
 def first_failure(output: str) -> str:
     """The first FAILED/ERROR test id of pytest's short summary (-rfE) and the first line of its error."""
-    error = next((line[1:].strip() for line in output.splitlines() if line.startswith("E ") and line[1:].strip()), "")
+    errors = (line[1:].strip() for line in output.splitlines() if line.startswith("E "))
+    error = next((e for e in errors if e), "")
     error = f" ({error[:90]})" if error else ""
     for line in output.splitlines():
         match = re.match(r"(FAILED|ERROR) (.+?)(?: - .*)?$", line)
@@ -182,7 +184,8 @@ def list_mutants(mutants: list[Mutant]) -> None:
 
 
 def show(m: Mutant) -> None:
-    print(f"--- {m.file} ({m.id})\n- " + m.original.replace("\n", "\n- ") + "\n+ " + m.replacement.replace("\n", "\n+ "))
+    print(f"--- {m.file} ({m.id})\n- " + m.original.replace("\n", "\n- ")
+          + "\n+ " + m.replacement.replace("\n", "\n+ "))
 
 
 def main(argv=None) -> int:
