@@ -202,10 +202,12 @@ MUTANTS = [
       PROTOCOL + "test_generate_ahead_stops_at_the_budget_at_new_weights_and_after_the_last_step"),
     M("tcss-mailbox-no-copy", "async_policy.py",
       "                    p.copy_(t)\n", "                    p.copy_(p)\n",
-      "rollout ranks keep their old weights while reporting the new version", TAG_E2E),
+      "rollout ranks keep their old weights while reporting the new version",
+      "tests/test_gap.py::test_round_trip_broadcast_unique_claims_and_published_weights"),
     M("tcss-mailbox-same-version", "async_policy.py",
       "latest[0] > self._held_version", "latest[0] >= self._held_version",
-      "the mailbox would copy in a version it already holds", TAG_E2E,
+      "the mailbox would copy in a version it already holds",
+      "tests/test_gap.py::test_round_trip_broadcast_unique_claims_and_published_weights",
       equivalent="the buffers are consumed on the first swap (set to None) and the leader publishes each version "
                  "once, so the condition is never reached with an equal version"),
     # --- trainer.py ------------------------------------------------------------------------------------
