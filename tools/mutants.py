@@ -16,7 +16,7 @@ The tests of a mutant are the fastest ones that should catch it, so the whole ru
 the mutants, their tests run once on the unmutated copy (a kill only means something if they pass).
 The exit code is 0 when every mutant is killed or equivalent.
 
-    python tools/mutants.py                      # every mutant (about 35 min on 2 cores)
+    python tools/mutants.py                      # every mutant (about 10 min on 2 cores, 20 under load)
     python tools/mutants.py --list               # the mutants, their tests, and which are stale
     python tools/mutants.py --only tcss-bound-2 --only grpo-adv-reversed --show
     python tools/mutants.py --jobs 2 --json runs/mutants.json
