@@ -6,9 +6,10 @@ import sys
 import time
 
 import pytest
+import torch
 
 import main
-from conftest import ROOT, rank_pids, read_metrics, run_main
+from conftest import ROOT, checkpoint_weights, rank_pids, read_metrics, run_main
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -51,10 +52,12 @@ BAD = [
     (["--fsdp", "--nproc", "3", "--fragment-groups", "1"], "--fsdp with --tag needs --fragment-groups >= the 2 trainer"),
     (["--placement", "colocated", "--gap"], "need --placement disaggregated"),
     (["--placement", "disaggregated", "--tag"], "--tag needs --gap and --tsp"),
+    (["--placement", "disaggregated", "--gap", "--tag"], "--tag needs --gap and --tsp"),
     (["--mode", "warp"], "--mode 'warp' is not one of"),
     (["--mode", "colocated", "--tsp"], "need --placement disaggregated"),
     (["--timestep-fraction", "1.5"], "--timestep-fraction must be in (0, 1]"),
     (["--lr", "-1"], "--lr must be a positive number"),
+    (["--max-grad-norm", "0"], "--max-grad-norm must be a positive number"),
     (["--noise-level", "0"], "--noise-level must be > 0"),
     (["--resolution", "40"], "--resolution must be a multiple of 16"),
     (["--algo", "ppo"], "--algo 'ppo'"),
@@ -92,6 +95,11 @@ def test_resume_continues_with_the_same_metrics(tiny_cache, tmp_path):
     assert [r["step"] for r in resumed] == [0, 1, 2]
     for key in ("reward_mean", "loss", "grad_norm"):
         assert resumed[2][key] == pytest.approx(straight[2][key], rel=1e-5, abs=1e-9), key
+    assert resumed[2]["version"] == straight[2]["version"] == 3  # the trainer resumed at the checkpoint's version
+    # the last step's update depends on the AdamW moments of the steps before the stop: restored, it is the same
+    final, want = checkpoint_weights(tmp_path / "stopped", 3), checkpoint_weights(tmp_path / "straight", 3)
+    for key in want:
+        torch.testing.assert_close(final[key], want[key], rtol=1e-5, atol=1e-7, msg=lambda m: f"{key}: {m}")
 
 
 def test_resume_refuses_a_checkpoint_of_another_config(tiny_cache, tmp_path):

@@ -1,4 +1,6 @@
-"""gap.py: a Fragment round-trips through send/recv and broadcast bit-exactly; concurrent claims are unique."""
+"""gap.py: a Fragment round-trips through send/recv and broadcast bit-exactly; concurrent claims are unique.
+async_policy.py, in the same three processes: published weights reach the rollout's model (Mailbox.swap_into),
+in the rollout's dtype, newest version first (catches a mailbox that reports a version it never copied in)."""
 import datetime
 import socket
 
@@ -7,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import async_policy
 import gap
 
 pytestmark = pytest.mark.timeout(120)
@@ -48,12 +51,28 @@ def _worker(rank, world, port, results):
     claimed = []
     while (claim := queue.claim(0, 1)) is not None:
         claimed.append(claim[0])
+    # TCSS weights: rank 2 publishes two versions (fp32 -> the rollout's bf16 for the second tensor), ranks 0
+    # and 1 receive them in their mailbox threads and swap them into their (zero) parameters.
+    published = {v: [torch.arange(3.0) * v, torch.full((2, 2), 0.5 * v)] for v in (1, 2)}
+    if rank == 2:
+        for version in (1, 2):
+            async_policy.publish(iter(published[version]), 2, version, src=2, group=dist.group.WORLD,
+                                 dtypes=[torch.float32, torch.bfloat16])
+        async_policy.publish([], 0, async_policy.STOP, src=2, group=dist.group.WORLD)
+    else:
+        params = [torch.zeros(3), torch.zeros(2, 2, dtype=torch.bfloat16)]
+        mailbox = async_policy.Mailbox(src=2, group=dist.group.WORLD, like=params)
+        mailbox.wait_for(2)
+        assert mailbox.swap_into(params) == 2 == mailbox.held_version
+        mailbox.join()
+        for p, want in zip(params, published[2]):
+            assert torch.equal(p, want.to(p.dtype)), (p, want)
     results.put((rank, claimed))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def test_round_trip_broadcast_and_unique_claims():
+def test_round_trip_broadcast_unique_claims_and_published_weights():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -6,6 +6,12 @@ checkpoint (allclose, float32, same seed and batch). The runs use `--optimizer s
 moves by exactly minus its gradient: comparing weights compares gradients. (AdamW's first step moves each
 weight by about lr x sign(gradient), which amplifies float rounding in near-zero gradients.)
 Run with DIGENRL_TEST_SEED=k to try another seed (the note reports seeds 0-4).
+
+Two cases pin the runs to outside truths as well: the one-process update is minus the gradient of the plain
+Flow-GRPO objective over the batch it generated (written out in tests/test_truth.py, autograd), and with
+--max-grad-norm small enough to engage, a K=2 TSP run's update is the one-process update scaled to that norm
+(clipping is of the global norm, after the all-reduce: clipping each rank's own gradient fails it).
+Each case runs when a test first needs it, so `pytest -k` of one case costs that case and its reference.
 """
 import os
 
@@ -31,17 +37,23 @@ CASES = {  # name -> flags; --fragment-groups 1, 2 and 4 cut the same batch of 4
     "gap_tsp_fsdp_k2": [*DISAGG, "--tsp", "--tsp-pack", "3", "--fsdp", "--nproc", "3", "--fragment-groups", "2"],
     "dealt_k2": [*DISAGG, "--nproc", "3", "--fragment-groups", "1"],
 }
+MAX_NORM = 0.005  # --max-grad-norm well below the step's gradient norm (about 0.03 here): clipping engages
+CLIPPED = {"gap_tsp_k2_clip": [*CASES["gap_tsp_k2"], "--max-grad-norm", str(MAX_NORM)]}
 
 
-def assert_same_update(weights, reference, initial, name, atol=1e-5):
+def assert_same_update(weights, reference, initial, name, atol=1e-5, weight_ulps=1):
     """The updates (weights minus initial weights) agree to float32 rounding: `atol` is relative to the
-    largest element of the reference update."""
+    largest element of the reference update, plus `weight_ulps` float32 ulps of the tensor's largest weight:
+    an update read back from stored float32 weights is only exact to about one ulp of the weight (seed 2:
+    4.5e-8 apart on weights near 0.4, above 1e-5 of the largest update element)."""
     assert reference.keys() == weights.keys()
     scale = max(float((reference[k] - initial[k]).abs().max()) for k in reference)
     assert scale > 0, "the reference step changed nothing"
+    eps = torch.finfo(torch.float32).eps
     for key in reference:
+        tolerance = atol * scale + weight_ulps * eps * float(initial[key].abs().max())
         torch.testing.assert_close(weights[key] - initial[key], reference[key] - initial[key], rtol=1e-4,
-                                   atol=atol * scale, msg=lambda m: f"{name}: {key}: {m}")
+                                   atol=tolerance, msg=lambda m: f"{name}: {key}: {m}")
 
 
 @pytest.fixture(scope="module")
@@ -52,28 +64,75 @@ def initial(tiny_cache):
 
 
 @pytest.fixture(scope="module")
-def updates(tiny_cache, tmp_path_factory):
+def run_case(tiny_cache, tmp_path_factory):
+    """run_case(name) -> (weights after the step, metrics rows); each case runs once per module, when first asked."""
     out = tmp_path_factory.mktemp("placements")
-    result = {}
-    for name, args in CASES.items():
-        run_main([*COMMON, *args, "--run-name", name], out, tiny_cache)
-        result[name] = (checkpoint_weights(os.path.join(out, name), 1), read_metrics(os.path.join(out, name)))
-    return result
+    done = {}
+
+    def run(name):
+        if name not in done:
+            run_main([*COMMON, *{**CASES, **CLIPPED}[name], "--run-name", name], out, tiny_cache)
+            done[name] = (checkpoint_weights(os.path.join(out, name), 1), read_metrics(os.path.join(out, name)))
+        return done[name]
+    return run
 
 
 @pytest.mark.parametrize("name", [n for n in CASES if n != "one_process"])
-def test_update_equals_the_single_process_update(updates, initial, name):
-    reference, ref_metrics = updates["one_process"]
-    weights, metrics = updates[name]
+def test_update_equals_the_single_process_update(run_case, initial, name):
+    reference, ref_metrics = run_case("one_process")
+    weights, metrics = run_case(name)
     assert_same_update(weights, reference, initial, name)
-    # the same trajectories were trained: rewards and the number of pairs agree
+    # the same trajectories were trained: rewards and the number of pairs agree, each trajectory counted once
     assert metrics[0]["reward_mean"] == pytest.approx(ref_metrics[0]["reward_mean"], abs=1e-6)
     assert metrics[0]["pairs"] == ref_metrics[0]["pairs"] == 4 * 2 * 2
+    assert metrics[0]["trajectories"] == ref_metrics[0]["trajectories"] == 4 * 2
     assert metrics[0]["staleness_mean"] == 0
 
 
-def test_the_step_changed_the_weights(updates, initial):
-    weights, _ = updates["one_process"]
+def test_the_one_process_update_is_minus_the_gradient_of_the_plain_objective(run_case, initial):
+    """Outside truth for the whole path (spec, generation, reward, advantages, loss weights, optimizer):
+    the batch regenerated here, the objective written out in test_truth.py, autograd; sgd lr 1."""
+    import config
+    import gap
+    import models
+    import rewards
+    from rollout import SamplingConfig, generate_fragment
+    from test_truth import NOISE_LEVEL, plain_flow_grpo_loss
+
+    weights, metrics = run_case("one_process")
+    cfg = config.resolve(config.parse_args([*COMMON, *CASES["one_process"]]))
+    assert (cfg.noise_level, cfg.max_grad_norm, cfg.num_steps) == (NOISE_LEVEL, 1.0, 3)
+    assert metrics[0]["grad_norm"] < cfg.max_grad_norm  # no clipping: the update is the whole gradient
+    policy = models.load("flux", models.tiny_pipeline_path("flux"), "cpu", torch.float32,
+                         max_sequence_length=cfg.text_len)
+    models.enable_full_training(policy)
+    params = dict(policy.transformer.named_parameters())
+    assert all(torch.equal(params[k].detach(), initial[k]) for k in weights)
+    prompts = config.prompt_source(cfg).train
+    spec = gap.fragment_spec(cfg.seed, 0, 0, 4, len(prompts), 4, 2)  # the whole batch: 4 groups of 2
+    sampling = SamplingConfig(num_steps=3, noise_level=NOISE_LEVEL)  # T_train = int(3 * 0.99) = 2
+    fragment = generate_fragment(policy, spec, prompts, sampling, rewards.build_reward("color"), 0, 0)
+    assert float(fragment.rewards.mean()) == pytest.approx(metrics[0]["reward_mean"], abs=1e-6)
+    loss = plain_flow_grpo_loss(policy, fragment, None, cfg.clip_range, total_pairs=4 * 2 * 2)
+    gradient = dict(zip(weights, torch.autograd.grad(loss, [params[k] for k in weights])))
+    assert_same_update(weights, {k: initial[k] - g for k, g in gradient.items()}, initial, "plain objective")
+
+
+def test_clipping_scales_the_global_gradient_across_two_trainers(run_case, initial):
+    reference, ref_metrics = run_case("one_process")
+    weights, metrics = run_case("gap_tsp_k2_clip")
+    norm = ref_metrics[0]["grad_norm"]
+    assert norm > 3 * MAX_NORM, "clipping would not engage: this test would prove nothing"
+    assert metrics[0]["grad_norm"] == pytest.approx(norm, rel=1e-4)  # the logged norm is the global one, unclipped
+    scale = MAX_NORM / (norm + 1e-6)  # clip_grad_norm_'s coefficient for the global norm
+    clipped = {k: initial[k] + (reference[k] - initial[k]) * scale for k in reference}
+    assert_same_update(weights, clipped, initial, "gap_tsp_k2_clip", weight_ulps=2)
+    moved = sum(float(((weights[k] - initial[k]) ** 2).sum()) for k in weights) ** 0.5
+    assert moved == pytest.approx(MAX_NORM, rel=1e-3)  # sgd lr 1: the weights moved by exactly the clipped norm
+
+
+def test_the_step_changed_the_weights(run_case, initial):
+    weights, _ = run_case("one_process")
     assert any(not torch.equal(initial[k], v) for k, v in weights.items())
 
 

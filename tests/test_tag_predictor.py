@@ -40,6 +40,14 @@ def test_claims_are_multiples_of_the_quantum_and_the_best_of_them():
     assert ends[n] == min(ends.values())
     # a margin larger than the gain: no claim
     assert tag.assist_groups(state, margin_s=ends[0] - ends[n] + 1e-6) == 0
+    # By hand, K = 2 trainers, quantum 2, three 1-group fragments of 2.0 s left, a group generated in 0.6 s on a
+    # trainer and trained in 0.06 s. Claiming 3: ceil(3 / 2) = 2 group times, 1.2 + 0.18 = 1.38 s, the best of
+    # all; but 3 is not a multiple of K (FSDP ranks would run different forwards). Claiming 2: 0.6 + 0.12, then
+    # the rollout's group arrives at 2.0 and is trained by 2.06 s; claiming 0: 3 x 2.0 + 0.06 = 6.06 s.
+    odd_best = tag.StepState(unclaimed=3, in_flight=0, waiting=0, rollout_ranks=1, gen_rollout_s=2.0,
+                             gen_trainer_s=0.6, train_s=0.06, trainers=2, quantum=2)
+    assert [tag.predict_step_end(odd_best, k) for k in range(4)] == pytest.approx([6.06, 4.06, 2.06, 1.38])
+    assert tag.assist_groups(odd_best) == 2
 
 
 def test_trainer_generation_time_split_by_groups_or_trajectories():

@@ -3,6 +3,10 @@
 - atomic_write: a write that raises midway leaves the old file intact and no temporary behind
   (catches writing in place);
 - trainer.summarize: every formula against sums computed by hand (catches e.g. a wrong reward_std);
+  Trainer.count_fragment's sums on two fragments with hand-computed rewards (catches a wrong zero-std test);
+- list_checkpoints never offers a half-written (.partial) checkpoint to --resume; check_resume refuses a
+  checkpoint of another model/LoRA config (even when config.json was changed); truncate_metrics drops the
+  rows of the steps a resumed run redoes;
 - RL direction: a few real steps (rollout.generate_fragment, grpo's SDE step, advantages and loss,
   Trainer.accumulate/step with AdamW) on a stand-in policy whose velocity is one learnable vector and
   whose reward is the mean of the final latent: the reward must rise, and with the advantages reversed
@@ -16,7 +20,8 @@ import pytest
 import torch
 
 import gap
-from infra.rundir import atomic_write
+from infra import rundir
+from infra.rundir import atomic_write, list_checkpoints
 from rollout import SamplingConfig, evaluate, generate_fragment
 from trainer import MetricSums, TrainConfig, Trainer, summarize
 import tsp
@@ -80,6 +85,57 @@ def test_summary_formulas_on_hand_computed_sums():
         assert out[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
 
 
+def test_fragment_counts_by_hand():
+    trainer = Trainer(LinePolicy(), TrainConfig(noise_level=0.7))
+    trainer.version = 4
+    fresh = [0.5, 0.5, 0.1, 0.3]  # two groups of 2; the first has zero std
+    stale = [1.0, 0.0, 0.2, 0.2001]  # generated with version 3 by the trainer group (TAG); no zero-std group
+    for rewards, version, producer in ((fresh, 4, 0), (stale, 3, -2)):
+        r, z = torch.tensor(rewards), torch.zeros
+        fragment = gap.Fragment(step=4, first_group=0, policy_version=version, producer=producer, group_size=2,
+                                prompt_ids=z(4, dtype=torch.long), cond={}, latents=z(4, 1, 2), next_latents=z(4, 1, 2),
+                                timestep_index=z(4, 1, dtype=torch.long), sigmas=z(4, 1), sigmas_next=z(4, 1),
+                                log_probs=z(4, 1), rewards=r, reward_parts=(2 * r)[:, None], advantages=z(4))
+        trainer.count_fragment(fragment, ["double"])
+    out = summarize(trainer.metrics, ["double"])
+    flat = fresh + stale
+    mean = sum(flat) / 8
+    std = (sum((x - mean) ** 2 for x in flat) / 8) ** 0.5
+    want = {"reward_mean": mean, "reward_std": std, "reward_double_mean": 2 * mean, "reward_double_std": 2 * std,
+            "zero_std_group_frac": 0.25, "stale_frac": 0.5, "staleness_mean": 0.5, "stale_fragments": 1,
+            "tag_fragments": 1, "trajectories": 8}
+    for key, value in want.items():
+        assert out[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+
+
+def test_resume_never_sees_a_partial_checkpoint(tmp_path):
+    for name, files in (("step_000001", ["state.pt"]), ("step_000002", ["state.pt"]),
+                        ("step_000003.partial", ["state.pt"]), ("step_000004", [])):
+        os.makedirs(tmp_path / "checkpoints" / name)
+        for f in files:
+            (tmp_path / "checkpoints" / name / f).write_bytes(b"x")
+    assert [os.path.basename(p) for p in list_checkpoints(str(tmp_path))] == ["step_000001", "step_000002"]
+
+
+def test_resume_refuses_another_identity_and_drops_the_redone_rows(tmp_path):
+    import json
+    import types
+    cfg = types.SimpleNamespace(model="flux", pretrained=None, lora=True, lora_rank=8, lora_alpha=16.0,
+                                lora_targets="flow_grpo")
+    os.makedirs(tmp_path / "checkpoints" / "step_000003")
+    (tmp_path / "checkpoints" / "step_000003" / "state.pt").write_bytes(b"x")
+    (tmp_path / "checkpoints" / "step_000003" / "meta.json").write_text(
+        json.dumps({"step": 3, "identity": rundir.identity(cfg)}))
+    assert rundir.check_resume(str(tmp_path), cfg).endswith("step_000003")
+    with pytest.raises(ValueError, match="different model or LoRA config: lora_rank: checkpoint 8 vs now 16"):
+        rundir.check_resume(str(tmp_path), types.SimpleNamespace(**{**vars(cfg), "lora_rank": 16}))
+    run = rundir.RunDir(str(tmp_path), "{}")
+    for step in range(5):  # a run killed after logging step 4 but with its last checkpoint after step 3
+        run.log(step, {"reward_mean": float(step)})
+    run.truncate_metrics(3)
+    assert [r["step"] for r in run.read_metrics()] == [0, 1, 2]
+
+
 # --- the RL direction ---------------------------------------------------------------------------------
 class LinePolicy:
     """A stand-in policy: velocity = one learnable vector theta, decode = identity. From x_1 ~ N(0, I) the
@@ -107,7 +163,7 @@ class LinePolicy:
         return latents.float().cpu()
 
 
-def mean_reward(images, prompts, prompt_ids=None):
+def mean_reward(images, prompts, prompt_ids=None):  # generate_fragment passes the prompt ids
     return {"total": images.mean(dim=1), "mean": images.mean(dim=1)}  # [B]
 
 

@@ -1,0 +1,279 @@
+"""The mechanisms' protocol pieces, each against what it must do, with fakes and an in-memory store.
+
+No process group and no model: a torch.distributed HashStore stands in for the job's TCPStore (the same
+atomic `add`), and plain callables stand in for the ranks. Each test names the bug it catches:
+- the staleness bound (TCSS): a fragment two versions old is refused, with async on or off, by
+  async_policy.check_staleness, by Trainer.accumulate and by train_fragment (catches a bound relaxed to 2);
+- the stale budget j is per step and never exceeded; generate_ahead stops at the budget, when the new
+  weights arrive and after the last step (catches a budget ignored, generating ahead past new weights);
+- FragmentQueue claims contiguous group ranges, the last one cut at the batch end (catches an off-by-one
+  claim, a claim past the end);
+- any cut of the batch gives the same trajectories (catches fragment-local seeds or prompts);
+- concat_fragments keeps group order and the header (catches TAG shares joined in the wrong order, a
+  version and producer swapped when a fragment is rebuilt);
+- GAP trains a fragment before the next one is received; the barrier after all of them;
+- dealt fragments: trainer k of K gets announcements k, k + K, ... (catches a fragment trained twice);
+- the TSP lockstep protocol trains each announced fragment once and counts groups, not fragments;
+- TAG's assisted generation generates each claimed group exactly once, at its global index;
+- a non-finite step is skipped, and too many in a row abort.
+
+Run: python -m pytest -q tests/test_protocol.py
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+import async_policy
+import gap
+import tag
+import tsp
+from trainer import TrainConfig, Trainer, train_fragment
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# --- TCSS: the staleness bound ------------------------------------------------------------------------
+def test_check_staleness_allows_0_or_1_with_async_and_only_0_without():
+    assert async_policy.check_staleness(5, 5, async_on=False) == 0
+    assert async_policy.check_staleness(5, 5, async_on=True) == 0
+    assert async_policy.check_staleness(5, 4, async_on=True) == 1
+    for trainer_version, fragment_version, async_on in [(5, 4, False), (5, 3, True), (5, 3, False), (4, 5, True)]:
+        with pytest.raises(AssertionError, match="staleness"):
+            async_policy.check_staleness(trainer_version, fragment_version, async_on)
+
+
+class OneWeightPolicy:
+    """The smallest policy a Trainer accepts: velocity = theta (one learnable vector)."""
+
+    def __init__(self, dim=4):
+        self.transformer = torch.nn.Module()
+        self.transformer.theta = torch.nn.Parameter(torch.zeros(dim))
+        self.device = torch.device("cpu")
+
+    def velocity(self, latents, sigma, cond, transformer=None):
+        return self.transformer.theta.expand_as(latents)  # [B, dim]
+
+
+def _fragment(version, m=2, t_train=2, dim=4, advantages=None):
+    g = torch.Generator().manual_seed(0)
+    return gap.Fragment(step=version, first_group=0, policy_version=version, producer=0, group_size=2,
+                        prompt_ids=torch.zeros(m, dtype=torch.long), cond={"e": torch.zeros(m, 1)},
+                        latents=torch.randn(m, t_train, dim, generator=g),
+                        next_latents=torch.randn(m, t_train, dim, generator=g),
+                        timestep_index=torch.arange(t_train).repeat(m, 1), sigmas=torch.full((m, t_train), 0.8),
+                        sigmas_next=torch.full((m, t_train), 0.6), log_probs=torch.zeros(m, t_train),
+                        rewards=torch.linspace(0, 1, m), reward_parts=torch.zeros(m, 1),
+                        advantages=torch.linspace(-1, 1, m) if advantages is None else advantages)
+
+
+def _trainer(version, **kw):
+    trainer = Trainer(OneWeightPolicy(), TrainConfig(noise_level=0.7, **kw))
+    trainer.version = version
+    return trainer
+
+
+def _packs(fragment):
+    packs = tsp.per_timestep_packs(*fragment.latents.shape[:2])
+    return packs, [[1.0] * len(p) for p in packs]
+
+
+def test_the_trainer_refuses_a_fragment_two_versions_old_and_trains_one_version_old():
+    trainer = _trainer(version=3)
+    with pytest.raises(AssertionError, match="staleness 2"):
+        trainer.accumulate(_fragment(version=1), *_packs(_fragment(1)), total_pairs=4)
+    assert trainer.params[0].grad is None  # refused before any backward
+    trainer.accumulate(_fragment(version=2), *_packs(_fragment(2)), total_pairs=4)  # TCSS: one version old
+    assert trainer.metrics.sums["pairs_stale"] == 4
+
+
+class NoSpans:
+    def span(self, *args, **kwargs):
+        import contextlib
+        return contextlib.nullcontext()
+
+
+def test_train_fragment_refuses_a_stale_fragment_without_async():
+    trainer = _trainer(version=3)
+    fragment = _fragment(version=2)
+    kwargs = dict(pairs_of=lambda m, t: _packs(fragment), total_pairs=4, count=True, reward_names=["c"],
+                  tracer=NoSpans())
+    with pytest.raises(AssertionError, match="staleness 1"):
+        train_fragment(trainer, fragment, async_on=False, **kwargs)
+    assert "trajectories" not in trainer.metrics.sums  # refused before it was counted or trained
+    train_fragment(trainer, fragment, async_on=True, **kwargs)
+    assert trainer.metrics.sums["stale_fragments"] == 1
+
+
+def test_a_non_finite_step_is_skipped_and_too_many_in_a_row_abort():
+    trainer = _trainer(version=0, optimizer="sgd", lr=1.0, max_bad_steps=2)
+    nan = _fragment(0, advantages=torch.tensor([float("nan"), 1.0]))
+    trainer.accumulate(nan, *_packs(nan), total_pairs=4)
+    metrics = trainer.step(["c"])
+    assert metrics["skipped_step"] == 1 and torch.equal(trainer.params[0], torch.zeros(4))
+    assert trainer.version == 1  # a skipped step still ends the batch: the next fragments are version 1
+    good = _fragment(1)
+    trainer.accumulate(good, *_packs(good), total_pairs=4)
+    assert trainer.step(["c"])["skipped_step"] == 0 and not torch.equal(trainer.params[0], torch.zeros(4))
+    for version in (2, 3):
+        nan = _fragment(version, advantages=torch.tensor([float("nan"), 1.0]))
+        trainer.accumulate(nan, *_packs(nan), total_pairs=4)
+        if version == 2:
+            assert trainer.step(["c"])["bad_steps_in_a_row"] == 1
+    with pytest.raises(FloatingPointError, match="--max-bad-steps 2"):
+        trainer.step(["c"])
+
+
+# --- TCSS: the stale budget and generate-ahead ---------------------------------------------------------
+def test_the_stale_budget_is_j_per_step():
+    budget = async_policy.StaleBudget(dist.HashStore(), max_stale=2)
+    assert [budget.take(1) for _ in range(4)] == [True, True, False, False]
+    assert [budget.take(2) for _ in range(3)] == [True, True, False]  # a new step has its own j
+    budget.forget(1)
+    assert budget.take(1)  # the key was deleted (the store must not grow per step)
+    none = async_policy.StaleBudget(dist.HashStore(), max_stale=0)
+    assert not any(none.take(1) for _ in range(3))
+
+
+def _ahead(step, last_step, versions, budget, unclaimed=10):
+    """Run generate_ahead with fakes: `versions` is what latest_version() returns call after call."""
+    made, versions, left = [], list(versions), [unclaimed]
+
+    def latest_version():
+        return versions.pop(0) if len(versions) > 1 else versions[0]
+
+    def claim(s):
+        if left[0] == 0:
+            return None
+        left[0] -= 1
+        return (10 - left[0] - 1, 1)
+
+    count = async_policy.generate_ahead(step, last_step, latest_version, budget.take, claim,
+                                        lambda s, c: made.append((s, c)))
+    assert count == len(made)
+    return made
+
+
+def test_generate_ahead_stops_at_the_budget_at_new_weights_and_after_the_last_step():
+    made = _ahead(3, 10, [3], async_policy.StaleBudget(dist.HashStore(), 2))
+    assert made == [(4, (0, 1)), (4, (1, 1))]  # batch step + 1, never more than j fragments
+    made = _ahead(3, 10, [3, 4], async_policy.StaleBudget(dist.HashStore(), 5))
+    assert made == [(4, (0, 1))]  # version 4 arrived after one fragment: the rest is generated fresh
+    assert _ahead(3, 10, [4], async_policy.StaleBudget(dist.HashStore(), 5)) == []
+    assert _ahead(10, 10, [10], async_policy.StaleBudget(dist.HashStore(), 5)) == []  # no step 11
+    assert len(_ahead(3, 10, [3], async_policy.StaleBudget(dist.HashStore(), 5), unclaimed=1)) == 1
+
+
+# --- GAP: claims, specs, fragments, consumption ---------------------------------------------------------
+def test_claims_are_contiguous_group_ranges_cut_at_the_batch_end():
+    queue = gap.FragmentQueue(dist.HashStore(), groups_per_step=7)
+    assert [queue.claim(0, 3) for _ in range(4)] == [(0, 3), (3, 3), (6, 1), None]
+    assert queue.num_claimed(0) == 7
+    assert queue.claim(1, 2) == (0, 2) and queue.claim(1, 1) == (2, 1) and queue.num_claimed(1) == 3
+    seq, dst = queue.announce(1, 0, 2, producer=4, destination_of=lambda s: 10 + s)
+    assert (seq, dst) == (0, 10) and queue.num_announced_groups(1) == 2
+    assert queue.poll(1, 0) == gap.Announcement(4, 0, 2, 10) and queue.poll(1, 1) is None
+    queue.forget(1)
+    assert queue.claim(1, 2) == (0, 2)  # forgotten: the step starts from scratch
+
+
+def test_any_cut_of_the_batch_gives_the_same_trajectories():
+    whole = gap.fragment_spec(7, 3, 0, 6, num_prompts_total=5, groups_per_step=6, group_size=3)
+    for cut in ([1] * 6, [2, 2, 2], [4, 2], [3, 1, 2]):
+        first, parts = 0, []
+        for n in cut:
+            parts.append(gap.fragment_spec(7, 3, first, n, 5, 6, 3))
+            first += n
+        for field in ("prompt_ids", "init_seeds", "noise_seeds"):
+            assert sum((getattr(p, field) for p in parts), []) == getattr(whole, field), (cut, field)
+    assert len(set(whole.noise_seeds + whole.init_seeds)) == 36  # every trajectory has its own seeds
+    other_step = gap.fragment_spec(7, 4, 0, 6, 5, 6, 3)
+    assert not set(other_step.noise_seeds) & set(whole.noise_seeds)
+
+
+def _numbered_fragment(first_group, num_groups, group_size=2):
+    m = num_groups * group_size
+    rows = torch.arange(first_group * group_size, first_group * group_size + m, dtype=torch.float32)  # [m]
+    f = _fragment(0, m=m)
+    f.first_group, f.prompt_ids, f.advantages, f.rewards = first_group, rows.long(), rows, rows
+    f.cond = {"e": rows[:, None]}
+    f.latents = rows[:, None, None].expand(m, 2, 4).clone()
+    return f
+
+
+def test_concat_and_to_keep_group_order_and_every_header_field():
+    parts = [_numbered_fragment(3, 1), _numbered_fragment(4, 2), _numbered_fragment(6, 1)]
+    for part in parts:
+        part.step, part.policy_version, part.producer = 9, 7, tag.TAG_PRODUCER
+    whole = gap.concat_fragments(parts)
+    # (step, first_group, policy_version, producer, group_size): a swapped field would mislabel the version
+    header = (whole.step, whole.first_group, whole.policy_version, whole.producer, whole.group_size)
+    assert header == (9, 3, 7, -2, 2)
+    assert whole.to("cpu")._ints() == whole._ints() == list(header)
+    assert whole.num_groups == 4
+    assert whole.rewards.tolist() == list(range(6, 14)) and whole.cond["e"][:, 0].tolist() == list(range(6, 14))
+    assert whole.latents[:, 0, 0].tolist() == list(range(6, 14))
+
+
+def test_gap_trains_each_fragment_as_it_arrives_and_the_barrier_after_all():
+    for streaming, want in [(True, ["recv 0", "train 0", "recv 1", "train 1"]),
+                            (False, ["recv 0", "recv 1", "train 0", "train 1"])]:
+        events = []
+
+        def arrivals():
+            for i in range(2):
+                events.append(f"recv {i}")
+                yield i
+        gap.consume(arrivals(), lambda f: events.append(f"train {f}"), streaming)
+        assert events == want
+
+
+def test_dealt_fragments_give_each_announcement_to_exactly_one_trainer():
+    queue = gap.FragmentQueue(dist.HashStore(), groups_per_step=5)
+    for seq in range(5):
+        queue.announce(0, seq, 1, producer=0)
+    got = {k: [a.first_group for a in gap.dealt_fragments(queue, 0, 5, k, 2, lambda a: a)] for k in range(2)}
+    assert got == {0: [0, 2, 4], 1: [1, 3]}
+
+
+# --- TSP: the lockstep protocol; TAG: assisted generation ------------------------------------------------
+def test_lockstep_trains_each_announced_fragment_once_and_counts_groups():
+    commands = [(tsp.TRAIN, 0, 0), (tsp.GENERATE, 4, 1), (tsp.TRAIN, 1, 0), (tsp.TRAIN, 2, 0)]
+    asked = []
+
+    def next_command(next_seq, groups_done):
+        asked.append((next_seq, groups_done))
+        return commands[len(asked) - 1]
+
+    announced = {0: _numbered_fragment(0, 2), 1: _numbered_fragment(2, 2), 2: _numbered_fragment(5, 1)}
+    got = list(tsp.lockstep_fragments(6, True, next_command, share_command=lambda c: c,
+                                      receive=announced.__getitem__, share_fragment=lambda f: f,
+                                      generate=lambda a, b: _numbered_fragment(a, b)))
+    assert [f.first_group for f in got] == [0, 4, 2, 5]  # each announced fragment once, TAG's groups in between
+    assert asked == [(0, 0), (1, 2), (1, 3), (2, 5)]  # the leader is asked with the next sequence and groups done
+    # a non-leader follows the leader's commands and never receives from the rollout itself
+    follower = tsp.lockstep_fragments(6, False, None, share_command=lambda c: commands[0], receive=None,
+                                      share_fragment=lambda f: announced[0], generate=None)
+    assert next(follower) is announced[0]
+
+
+def test_assisted_generation_generates_each_claimed_group_once_at_its_global_index():
+    for trainers, num_groups in [(1, 3), (2, 3), (3, 5), (4, 2)]:
+        generated, parts = [], {}
+
+        def generate(first, count):
+            generated.append((first, count))
+            return _numbered_fragment(first, count)
+
+        def keep(part, owner):
+            if part is not None:
+                parts[owner] = part
+
+        for me in range(trainers):  # every trainer generates its share (the exchange comes next)
+            tag.assisted_generation(5, num_groups, trainers, me, generate, keep, concat=lambda shares: None)
+        covered = sorted(g for first, count in generated for g in range(first, first + count))
+        assert covered == list(range(5, 5 + num_groups)), (trainers, generated)
+        for me in range(trainers):  # the exchange: every trainer ends with the whole fragment, in group order
+            whole = tag.assisted_generation(5, num_groups, trainers, me, lambda f, c: parts[me],
+                                            lambda part, owner: parts[owner], gap.concat_fragments)
+            assert whole.first_group == 5 and whole.num_groups == num_groups
+            assert whole.rewards.tolist() == list(range(10, 10 + 2 * num_groups))
