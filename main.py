@@ -32,6 +32,7 @@ def run_rank(cfg: config_lib.Config, rank: int, world: int, local_rank: int, mas
     from infra import rundir as runio
     import runtime
     from rollout import SamplingConfig
+    from infra.evaluation import Evaluator
     from infra.tracing import Tracer, gather_spans, write_chrome_trace, write_timeline_png
     from trainer import TrainConfig, Trainer
 
@@ -74,8 +75,9 @@ def run_rank(cfg: config_lib.Config, rank: int, world: int, local_rank: int, mas
 
     reward_fn = rewards.build_reward(cfg.reward, config_lib.reward_options(cfg))
     prompts = config_lib.load_prompts(cfg.prompt_file) if cfg.prompt_file else rewards.color_prompts("train")
-    eval_prompts = rewards.color_prompts("eval") if cfg.prompt_file is None else prompts[: min(len(prompts), 8)]
     sampling = SamplingConfig(cfg.num_steps, cfg.noise_level, cfg.timestep_fraction, cfg.algo, cfg.adv_clip)
+    evaluator = Evaluator(prompts[:8], rewards.color_prompts("eval") if cfg.prompt_file is None else None, sampling,
+                          reward_fn, cfg.eval_seeds, run_path, writer=(rank == groups.leader))
     m = cfg.prompts_per_step // cfg.fragment_groups
     queue = gap.FragmentQueue(dist.PrefixStore("queue", store), m, cfg.timeout_s) if store is not None else None
     job = runtime.Job(cfg, groups, policy, prompts, sampling, reward_fn, reward_fn.names, queue, tracer, comm_device)
@@ -105,25 +107,26 @@ def run_rank(cfg: config_lib.Config, rank: int, world: int, local_rank: int, mas
         if cfg.progress:
             from tqdm import tqdm
             bar = tqdm(total=cfg.steps, initial=job.start_step, desc=f"{cfg.model} {cfg.mode}", dynamic_ncols=True)
+    initial_eval = {}  # the policy the run starts from, logged in the first row as eval_reward_initial, ...
+    if cfg.eval_every and groups.is_trainer and (rank == groups.leader or cfg.fsdp):
+        with tracer.span("eval", step=job.start_step):
+            initial_eval = {f"{k}_initial": v for k, v in evaluator(policy, job.start_step).items()}
     last = {"t": time.perf_counter()}
 
     def on_step_end(step, metrics, trainer):
         if rank != groups.leader and not cfg.fsdp:  # under FSDP, evaluation and checkpoint gathering are collectives
             return
         metrics.update(step_time_s=time.perf_counter() - last["t"], version=trainer.version)
-        scores = images = state = None
+        state = None
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
-            from rollout import evaluate
             with tracer.span("eval", step=step):
-                scores, images = evaluate(policy, eval_prompts, sampling, reward_fn)
+                metrics.update(evaluator(policy, step + 1))  # eval_reward, eval_reward_heldout_prompts; grids
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
             with tracer.span("checkpoint", step=step):
                 state = trainer.checkpoint_state()
         if rank == groups.leader:
-            if scores is not None:
-                metrics["eval_reward"] = float(scores["total"].mean())
-                ext = "gif" if images.ndim == 5 else "png"
-                runio.save_image_grid(images, os.path.join(run_dir.path, "eval", f"step_{step + 1:06d}.{ext}"))
+            metrics.update(initial_eval)
+            initial_eval.clear()
             run_dir.log(step, metrics)
             if state is not None:
                 with tracer.span("checkpoint", step=step):

@@ -97,12 +97,24 @@ def generate_fragment(policy, spec: FragmentSpec, prompts: list[str], cfg: Sampl
         rewards=cpu(total), reward_parts=cpu(parts), advantages=cpu(advantages))
 
 
+# Evaluation seeds sit far above the training ones (gap.fragment_spec numbers them from (seed, step, index) upwards
+# from 0), so evaluation never replays a trajectory the policy was trained on.
+EVAL_SEED = 2**62
+
+
 @torch.no_grad()
-def evaluate(policy, prompts: list[str], cfg: SamplingConfig, reward_fn, seed: int = 1234):
-    """Deterministic evaluation (noise level 0, fixed seeds): returns (reward dict, images)."""
+def evaluate(policy, prompts: list[str], cfg: SamplingConfig, reward_fn, seed: int = EVAL_SEED,
+             seeds_per_prompt: int = 1):
+    """Deterministic evaluation (noise level 0): every prompt from the same `seeds_per_prompt` initial noises
+    (seed, seed + 1, ...). Returns (reward dict of [P S] tensors, images [P S, ...]), prompt-major.
+
+    Sharing the noises across prompts makes the comparison paired: a model that ignores the prompt draws the
+    same image for every colour word, and the colour reward of one image summed over red, green and blue is
+    exactly 0, so such a model scores 0 on the colour task up to the mean over seeds, not just on average."""
     det = dataclasses.replace(cfg, noise_level=0.0)
-    cond = policy.encode_prompts(prompts)
-    seeds = [seed + i for i in range(len(prompts))]
+    seeds = [seed + j for _ in prompts for j in range(seeds_per_prompt)]
+    texts = [p for p in prompts for _ in range(seeds_per_prompt)]
+    cond = policy.encode_prompts(texts)
     final, _ = sample_trajectories(policy, cond, seeds, seeds, det)
     images = policy.decode(final)
-    return reward_fn(images, prompts), images
+    return reward_fn(images, texts), images

@@ -9,6 +9,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pytest  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The tests check plumbing, not pictures: they build the tiny pipelines with a few pre-training steps (a separate
+# cache folder, tiny-<model>-v2-quick), and tests/test_pretrain.py builds the full demo pipeline itself. Ranks
+# spawned by run_main inherit this, so they load the same pipelines.
+os.environ.setdefault("DIGENRL_TINY_PRETRAIN", "quick")
 
 
 @pytest.fixture(scope="session")
