@@ -282,12 +282,13 @@ def plot_reward_curves(runs: dict[str, list[dict]], path: str, eval_too: bool = 
         prefix = f"{label}: " if label else ""
         rows = [r for r in rows if "reward_mean" in r]
         what = "train reward (mean of the step's samples)" if window == 1 else f"train reward ({window}-step mean)"
-        line, = ax.plot([r["step"] for r in rows], smooth([r["reward_mean"] for r in rows], window), label=prefix + what)
-        for key, style, name in EVAL_CURVES if eval_too else ():
+        line, = ax.plot([r["step"] for r in rows], smooth([r["reward_mean"] for r in rows], window), label=prefix + what,
+                        alpha=0.8)
+        for i, (key, style, name) in enumerate(EVAL_CURVES if eval_too else ()):
             steps, values = eval_points(rows, key)
-            if steps:
-                ax.plot(steps, values, style, color=line.get_color(), markersize=3, alpha=0.9 if "o" in style else 0.6,
-                        label=prefix + name)
+            if steps:  # one run: a colour per curve; several runs: a colour per run
+                color = f"C{i + 1}" if len(runs) == 1 else line.get_color()
+                ax.plot(steps, values, style, color=color, markersize=3, label=prefix + name)
     ax.set_xlabel("step (optimizer updates)"); ax.set_ylabel("reward")  # noqa: E702
     ax.legend(fontsize=8); ax.grid(alpha=0.3)  # noqa: E702
     if title:

@@ -50,9 +50,9 @@ def tiny_pipeline_path(name: str, cache_dir: str | None = None) -> str:
 
     family = get_family(name)
     variant = pretrain.variant_from_env()
-    # v2: pre-trained on synthetic images; bump whenever what build_tiny makes changes.
+    # v3: pre-trained on synthetic images (faint caption match, wider video models); bump whenever what build_tiny makes changes.
     suffix = "" if variant == "full" else f"-{variant}"
-    path = os.path.join(cache_dir or default_cache_dir(), f"tiny-{name}-v2{suffix}")
+    path = os.path.join(cache_dir or default_cache_dir(), f"tiny-{name}-v3{suffix}")
     if not os.path.isfile(os.path.join(path, "model_index.json")):
         tmp = f"{path}.tmp{os.getpid()}"  # build aside, then rename: concurrent ranks never see half a pipeline
         family.build_tiny(tmp, pretrain_config=pretrain.variant_config(family, variant))

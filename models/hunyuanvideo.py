@@ -29,7 +29,8 @@ class HunyuanVideoFamily(Family):
                     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
     is_video = True
     tiny_frames = 5  # (frames - 1) % 4 == 0: 5 frames -> 2 latent frames
-    pretrain_overrides = {"vae_batch": 8, "vae_steps": 200}  # models/pretrain.py: a video VAE step costs ~8x an image's
+    # models/pretrain.py: a video VAE step costs ~8x an image's; half-size transformer batches keep the build ~1 min
+    pretrain_overrides = {"vae_batch": 8, "vae_steps": 200, "flow_batch": 32}
     default_guidance = 6.0  # HunyuanVideoPipeline's guidance_scale default (embedded)
     sequence_tokenizer = "tokenizer"  # max_sequence_length counts Llama tokens; CLIP (tokenizer_2) is always 77
 
@@ -55,7 +56,7 @@ class HunyuanVideoFamily(Family):
             bos_token_id=0, eos_token_id=1, pad_token_id=1))
         # Head dim 16 = rope axes (4, 6, 6); spatial patch 2 like the real model: 2 x 8 x 8 latents -> 32 tokens.
         transformer = HunyuanVideoTransformer3DModel(
-            in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=1,
+            in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=16, num_layers=1,
             num_single_layers=1, num_refiner_layers=1, patch_size=2, patch_size_t=1, guidance_embeds=True,
             text_embed_dim=32, pooled_projection_dim=32, rope_axes_dim=(4, 6, 6))
         # Spatial 4x (3 blocks; the real VAE has 8x), temporal 4x: 5 x 32 x 32 px -> 2 x 8 x 8 latents, so that the

@@ -30,10 +30,14 @@ import torch.nn.functional as F
 # regardless of the prompt has expected colour reward 0 for every colour word.
 PALETTE = torch.tensor([[0, 0, 0], [1, 0, 0], [0, 1, 0], [0, 0, 1], [1, 1, 0], [1, 0, 1], [0, 1, 1], [1, 1, 1]],
                        dtype=torch.float32)
-# Captions seen in pre-training, each equally likely whatever the image: the base model learns to ignore them.
-# "" trains the unconditional branch the true-CFG families (Qwen-Image, Wan) use.
+# Captions seen in pre-training, drawn independently of the image, except that a colour caption gets an image with
+# that background colour with probability caption_match (0.1): the base model follows the colour word only faintly
+# (its eval_reward before RL is ~0.0x). Measured: with fully independent captions the tiny video models took 120 to
+# 200+ RL steps before they started to tell the prompts apart. "" trains the true-CFG families' unconditional branch.
 CAPTIONS = ["", "an image", "a picture", "a red image", "a green image", "a blue image",
             "a picture that is all red", "a picture that is all green", "a picture that is all blue"]
+CAPTION_BACKGROUND = [-1, -1, -1, 1, 2, 3, -1, -1, -1]  # PALETTE index a caption may pull the background to;
+# the phrasings of the held-out eval prompts never do, so that the base model never saw them follow a colour.
 
 
 @dataclasses.dataclass
@@ -44,6 +48,7 @@ class PretrainConfig:
     flow_batch: int = 64
     vae_lr: float = 2e-3
     flow_lr: float = 2e-3
+    caption_match: float = 0.1  # fraction of colour captions whose image gets that background colour (see CAPTIONS)
     sigma_shift: float = 1.0  # sigma = shift u / (1 + (shift - 1) u), u uniform: > 1 trains high noise more
     latent_noise: float = 0.05  # std of the noise added to the decoder's input: robust to imperfect latents
     threads: int = 1  # seeded results depend on the thread count; one thread is also fastest on a busy machine
@@ -81,10 +86,14 @@ def pretrain_for_build(family, pipe, config, seed: int, frames: int = 1, max_seq
     return pretrain(family, pipe, config, seed=seed, frames=frames, max_sequence_length=max_sequence_length)
 
 
-def synthetic_images(n: int, generator: torch.Generator, size: int, frames: int = 1) -> torch.Tensor:
+def synthetic_images(n: int, generator: torch.Generator, size: int, frames: int = 1,
+                     background: torch.Tensor | None = None) -> torch.Tensor:
     """n images [n, 3, H, W] (frames > 1: videos [n, F, 3, H, W], the disc moving on a straight line) in [0, 1]:
-    a disc of one palette colour on a background of another, at a random place and size (anti-aliased edge)."""
+    a disc of one palette colour on a background of another, at a random place and size (anti-aliased edge).
+    background: [n] palette indices to use instead of random ones where >= 0."""
     bg = torch.randint(0, len(PALETTE), (n,), generator=generator)
+    if background is not None:
+        bg = torch.where(background >= 0, background, bg)
     fg = (bg + torch.randint(1, len(PALETTE), (n,), generator=generator)) % len(PALETTE)  # never the background
     start = (torch.rand(n, 2, generator=generator) * 0.5 + 0.25) * size  # [n, (y, x)] pixels
     velocity = (torch.rand(n, 2, generator=generator) - 0.5) * 0.5 * size / max(frames - 1, 1)  # pixels per frame
@@ -202,14 +211,17 @@ def train_flow(family, pipe, cfg: PretrainConfig, generator, frames: int, max_se
     transformer = pipe.transformer.train().requires_grad_(True)
     opt = torch.optim.AdamW(transformer.parameters(), lr=cfg.flow_lr, weight_decay=0.0)
     losses = []
+    named = torch.tensor(CAPTION_BACKGROUND)
     for step in range(cfg.flow_steps):
-        images = synthetic_images(cfg.flow_batch, generator, family.tiny_resolution, frames)
+        pick = torch.randint(0, len(CAPTIONS), (cfg.flow_batch,), generator=generator)
+        follow = torch.rand(cfg.flow_batch, generator=generator) < cfg.caption_match
+        background = torch.where(follow, named[pick], torch.full_like(pick, -1))  # [B] -1 = random
+        images = synthetic_images(cfg.flow_batch, generator, family.tiny_resolution, frames, background)
         x0 = family.pack(pipe, latent_target(images, channels, spatial, subgrid))  # [B, ...] transformer layout
         eps = torch.randn(x0.shape, generator=generator)
         u = torch.rand(cfg.flow_batch, generator=generator)  # [B] uniform in (0, 1)
         sigma = cfg.sigma_shift * u / (1 + (cfg.sigma_shift - 1) * u)  # [B] (SD3's shifted schedule)
         s = sigma.view(-1, *([1] * (x0.ndim - 1)))
-        pick = torch.randint(0, len(CAPTIONS), (cfg.flow_batch,), generator=generator)  # whatever the image
         cond = {k: c[pick] for k, c in conds.items()}
         v = family.forward(pipe, transformer, (1 - s) * x0 + s * eps, sigma, cond, family.default_guidance)
         loss = ((v.float() - (eps - x0)) ** 2).mean()

@@ -42,8 +42,8 @@ class WanFamily(Family):
             relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
         # Head dim 12: Wan's 3-D rope splits it into (t, h, w) = (4, 4, 4).
         transformer = WanTransformer3DModel(
-            patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16, out_channels=16,
-            text_dim=32, freq_dim=256, ffn_dim=32, num_layers=1, cross_attn_norm=True,
+            patch_size=(1, 2, 2), num_attention_heads=4, attention_head_dim=12, in_channels=16, out_channels=16,
+            text_dim=32, freq_dim=256, ffn_dim=64, num_layers=1, cross_attn_norm=True,
             qk_norm="rms_norm_across_heads", rope_max_seq_len=32)
         # Spatial 4x, temporal 4x (causal): 5 x 32 x 32 px -> 2 x 8 x 8 latents; the released latents_mean/std (16
         # channels). Measured: base_dim 3 learned only two colours in pre-training; z_dim 4 with mean 0 / std 1 stayed
