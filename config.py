@@ -31,8 +31,10 @@ def field(default, help_text, **kw):
 class Config:
     # what to train
     model: str = field("flux", "model family: flux, qwenimage, wan, hunyuanvideo")
-    pretrained: Optional[str] = field(None, "local diffusers pipeline directory; unset = the tiny offline pipeline (built once into the cache)")
-    cache_dir: Optional[str] = field(None, "where tiny pipelines are built (default ~/.cache/digenrl or $DIGENRL_CACHE)")
+    pretrained: Optional[str] = field(None, "local diffusers pipeline directory; unset = the tiny offline "
+                                      "pipeline (built once into the cache)")
+    cache_dir: Optional[str] = field(None, "where tiny pipelines are built (default ~/.cache/digenrl or "
+                                     "$DIGENRL_CACHE)")
     reward: str = field("color", "reward spec, name=weight list, e.g. color=1.0,jpeg_compressibility=0.1, or my.py:fn "
                         "(fn(images, prompts[, metadata]) -> scores | (scores, info))")
     clip_path: Optional[str] = field(None, "local CLIP directory for the clip_score reward")
@@ -42,32 +44,45 @@ class Config:
                                  "JPEG batches with prompts and metadata, answers unpickled restricted to plain data)")
     remote_score_key: str = field("scores", "key of the server's answer holding the scores: scores (GenEval-style), "
                                   "outputs (DeQA / UnifiedReward-style)")
-    remote_timeout_s: float = field(30.0, "per request: longer tolerates a slow server, shorter retries a hung one sooner")
+    remote_timeout_s: float = field(30.0, "per request: longer tolerates a slow server, shorter retries a hung "
+                                    "one sooner")
     remote_retries: int = field(3, "retries after the first attempt (timeouts, connection errors, HTTP 5xx); more "
                                 "rides out server restarts, but a dead server takes longer to fail the run")
-    remote_batch_size: int = field(64, "images per request (Flow-GRPO: 64): larger = fewer round trips, bigger requests")
+    remote_batch_size: int = field(64, "images per request (Flow-GRPO: 64): larger = fewer round trips, bigger "
+                                   "requests")
     remote_frames: str = field("all", "videos: all (every frame sent as an image, scores averaged over frames) or "
                                "middle (only the middle frame: F times cheaper, blind to motion)")
     prompt_file: Optional[str] = field(None, "prompts: a Flow-GRPO dataset folder (train/test .txt or _metadata.jsonl; "
                                        "evaluates on test) or a text file, one prompt per line (every ~10th line held "
                                        "out, at most 8); unset = the colour task's prompts")
-    eval_prompts: int = field(8, "evaluation uses the first N held-out prompts (0 = all): more = a less noisy "
-                              "eval_reward, each costs one deterministic generation per evaluation")
+    eval_prompts: int = field(8, "evaluation uses the first N training prompts (on held-out noises) and the first N "
+                              "held-out prompts (0 = all): more = a less noisy eval_reward, each costs eval_seeds "
+                              "deterministic generations per evaluation")
     # placement and mechanisms
-    mode: Optional[str] = field(None, "digenrl (all four mechanisms; the default), colocated, naive; explicit --placement/--gap/... flags instead give a custom mix")
-    placement: Optional[str] = field(None, "colocated (every rank generates then trains) or disaggregated (separate rollout and trainer ranks)")
+    mode: Optional[str] = field(None, "digenrl (all four mechanisms; the default), colocated, naive; explicit "
+                                "--placement/--gap/... flags instead give a custom mix")
+    placement: Optional[str] = field(None, "colocated (every rank generates then trains) or disaggregated "
+                                     "(separate rollout and trainer ranks)")
     nproc: int = field(2, "ranks to self-spawn when not under torchrun; more ranks = more throughput, more memory")
     rollout_ranks: int = field(1, "R: rollout ranks in the disaggregated placement; the other P - R ranks train")
     gap: Optional[bool] = field(None, "GAP: train fragments as they arrive instead of after the whole batch")
-    tsp: Optional[bool] = field(None, "TSP: spread each fragment's (sample, timestep) pairs over all trainers in packed forwards")
-    tsp_pack: int = field(4, "pairs per forward under TSP: larger = better GPU use, more activation memory")
-    tag: Optional[bool] = field(None, "TAG: an idle trainer generates fragments itself when the predictor says the step ends sooner")
-    use_async: Optional[bool] = field(None, "TCSS: rollout may generate the next batch with weights one version old", flag="async")
-    max_stale_fragments: Optional[int] = field(None, "j: at most this many fragments per step generated one version stale (TCSS); "
-                                               "unset = one per rollout rank. Larger hides more of the weight round trip, "
-                                               "but more of each batch is trained off-policy")
+    tsp: Optional[bool] = field(None, "TSP: spread each fragment's (sample, timestep) pairs over all trainers in "
+                                "packed forwards")
+    tsp_pack: Optional[int] = field(None, "pairs per forward under TSP: larger = fewer, bigger passes (less per-call "
+                                    "overhead, better GPU use), more activation memory; unset = 4 with --pretrained, "
+                                    "20 for the tiny pipelines (on a CPU per-call overhead dominates; 20 divides the "
+                                    "default fragment's 40 pairs, so no padding pairs)")
+    tag: Optional[bool] = field(None, "TAG: an idle trainer generates fragments itself when the predictor says "
+                                "the step ends sooner")
+    use_async: Optional[bool] = field(None, "TCSS: rollout may generate the next batch with weights one version "
+                                      "old", flag="async")
+    max_stale_fragments: Optional[int] = field(None, "j: at most this many fragments per step generated one "
+                                               "version stale (TCSS); unset = one per rollout rank. Larger hides "
+                                               "more of the weight round trip, but more of each batch is trained "
+                                               "off-policy")
     fsdp: bool = field(False, "shard the trainer transformer with FSDP2 over the trainer group (needs --tsp)")
-    fragment_groups: int = field(1, "groups per fragment: smaller = finer pipelining, more messages and smaller forwards")
+    fragment_groups: int = field(1, "groups per fragment: smaller = finer pipelining, more messages and smaller "
+                                 "forwards")
     rank_speed: Optional[str] = field(None, "BENCHMARK EMULATION ONLY (infra/emulate.py): RANK=FACTOR,... e.g. 0=0.5 "
                                       "runs rank 0's generation and training at half speed by sleeping; emulates "
                                       "heterogeneous GPUs on one machine, costs wall time, never use it to train")
@@ -76,29 +91,40 @@ class Config:
     prompts_per_step: int = field(3, "B: prompts (groups) per step")
     group_size: int = field(8, "G: samples per prompt; larger = better advantage estimates, more compute")
     num_steps: int = field(6, "T: SDE sampling steps per trajectory")
-    timestep_fraction: Optional[float] = field(None, "share of the sampling steps that are trained, by the references' formulas: "
-                                               "flow_grpo T_train = int(T * f), the first steps; dance_grpo int((T - 1) * f) random "
-                                               "steps, never the last; unset = 0.99 for flow_grpo (Flow-GRPO's configs: all but the "
-                                               "last step), 0.6 for dance_grpo (DanceGRPO's script). Smaller = cheaper training, noisier gradient")
-    noise_level: float = field(0.7, "SDE noise level a (Flow-GRPO) or eta (DanceGRPO): more exploration, lower image quality")
-    algo: str = field("flow_grpo", "flow_grpo (default) or dance_grpo (constant eta, shared group noise, random timestep subset)")
+    timestep_fraction: Optional[float] = field(None, "share of the sampling steps that are trained, by the "
+                                               "references' formulas: flow_grpo T_train = int(T * f), the first "
+                                               "steps; dance_grpo int((T - 1) * f) random steps, never the last; "
+                                               "unset = 0.99 for flow_grpo (Flow-GRPO's configs: all but the last "
+                                               "step), 0.6 for dance_grpo (DanceGRPO's script). Smaller = cheaper "
+                                               "training, noisier gradient")
+    noise_level: Optional[float] = field(None, "SDE noise level a (Flow-GRPO) or eta (DanceGRPO): more "
+                                         "exploration, lower image quality; unset = 0.7 (Flow-GRPO's) with "
+                                         "--pretrained, 0.5 for the tiny pipelines (measured: at 0.7 the tiny "
+                                         "video models barely learned the colour task in 200 steps, the added "
+                                         "noise decides their colours)")
+    algo: str = field("flow_grpo", "flow_grpo (default) or dance_grpo (constant eta, shared group noise, random "
+                      "timestep subset)")
     resolution: int = field(0, "image height = width in pixels; 0 = the family's tiny default (32)")
     frames: int = field(0, "video frames (video families); 0 = the family default")
-    guidance: Optional[float] = field(None, "embedded guidance (FLUX, HunyuanVideo) or true-CFG scale (Qwen-Image, Wan); unset = family default")
+    guidance: Optional[float] = field(None, "embedded guidance (FLUX, HunyuanVideo) or true-CFG scale "
+                                      "(Qwen-Image, Wan); unset = family default")
     text_len: int = field(512, "max text tokens (capped by the tokenizer); longer = slower text encoding, more memory")
-    prompt_cache_size: int = field(64, "distinct prompts whose text embeddings stay cached on the device (least recently "
-                                   "used evicted first): more = fewer text-encoder passes when prompts repeat, more memory "
-                                   "(FLUX T5 at 512 tokens: ~4 MB per prompt in bf16); 0 = encode every time")
+    prompt_cache_size: int = field(64, "distinct prompts whose text embeddings stay cached on the device (least "
+                                   "recently used evicted first): more = fewer text-encoder passes when prompts "
+                                   "repeat, more memory (FLUX T5 at 512 tokens: ~4 MB per prompt in bf16); 0 = "
+                                   "encode every time")
     # optimisation
     lr: float = field(3e-3, "AdamW learning rate (tiny full fine-tuning learns at 3e-3; real LoRA runs use ~1e-4)")
-    clip_range: float = field(1e-2, "PPO clip range on the averaged log-prob ratio (Flow-GRPO uses 1e-4 on real models)")
+    clip_range: float = field(1e-2, "PPO clip range on the averaged log-prob ratio (Flow-GRPO uses 1e-4 on real "
+                              "models)")
     max_grad_norm: float = field(1.0, "gradient norm clip")
     beta: float = field(0.0, "KL weight to the reference policy; >0 costs one more forward per pair")
     adv_clip: float = field(5.0, "advantages are clipped to +-adv_clip")
     weight_decay: float = field(0.0, "AdamW weight decay")
     optimizer: str = field("adamw", "adamw, or sgd (plain gradient descent: the update is exactly -lr x gradient, so "
                            "two runs' weights differ as their gradients do; the equivalence tests use it)")
-    lora: Optional[bool] = field(None, "LoRA on the transformer (--no-lora trains all weights); unset = off for tiny pipelines, on for --pretrained")
+    lora: Optional[bool] = field(None, "LoRA on the transformer (--no-lora trains all weights); unset = off for "
+                                 "tiny pipelines, on for --pretrained")
     lora_rank: Optional[int] = field(None, "LoRA rank: larger = more capacity and bigger weight publishes; unset = "
                                      "the family's Flow-GRPO setting (FLUX, Qwen-Image 64; Wan 32) or --init-lora's")
     lora_alpha: Optional[float] = field(None, "LoRA alpha (scale = alpha / rank); unset = the family's Flow-GRPO "
@@ -109,10 +135,11 @@ class Config:
                               "of module names; models/lora.py")
     init_lora: Optional[str] = field(None, "start the LoRA from this diffusers LoRA file (or its folder, or a peft "
                                      "adapter folder as Flow-GRPO saves); its rank and alpha are the defaults")
-    fp32_master: bool = field(True, "full fine-tuning with a bf16 policy: trainers keep fp32 weights, gradients and AdamW "
-                              "state and compute in bf16 under autocast (16 instead of 8 bytes per parameter); "
-                              "--no-fp32-master keeps pure bf16: half the memory, but updates below half a bf16 ulp "
-                              "(lr 1e-5 on typical weights) are lost. No effect with LoRA (adapters are always fp32)")
+    fp32_master: bool = field(True, "full fine-tuning with a bf16 policy: trainers keep fp32 weights, gradients "
+                              "and AdamW state and compute in bf16 under autocast (16 instead of 8 bytes per "
+                              "parameter); --no-fp32-master keeps pure bf16: half the memory, but updates below "
+                              "half a bf16 ulp (lr 1e-5 on typical weights) are lost. No effect with LoRA "
+                              "(adapters are always fp32)")
     grad_ckpt: bool = field(False, "gradient checkpointing in the trainer: less memory, ~30%% more compute")
     max_bad_steps: int = field(3, "abort after this many optimizer steps in a row with a non-finite loss or gradient")
     # machine
@@ -127,7 +154,11 @@ class Config:
     # run directory
     run_name: Optional[str] = field(None, "runs/<run_name>; unset = model-mode-timestamp")
     out_dir: str = field("runs", "parent folder of run directories")
-    eval_every: int = field(10, "deterministic evaluation every N steps (0 = never); costs one generation of the eval prompts")
+    eval_every: int = field(10, "deterministic evaluation every N steps and before the first (0 = never); each costs "
+                            "one generation of eval_seeds samples per training and held-out prompt")
+    eval_seeds: Optional[int] = field(None, "evaluation samples per prompt (the same held-out noises for every "
+                                      "prompt): more = a steadier eval_reward and wider eval grids, more time per "
+                                      "evaluation; unset = 8 for the tiny pipelines, 1 with --pretrained")
     save_every: int = field(50, "checkpoint every N steps (0 = only at the end)")
     keep_checkpoints: int = field(2, "keep the last N checkpoints")
     resume: Optional[str] = field(None, "run directory to resume from its last checkpoint")
@@ -137,7 +168,8 @@ class Config:
     wandb_project: str = field("digenrl", "W&B project")
     wandb_name: Optional[str] = field(None, "W&B run name; unset = the run directory's name")
     config: Optional[str] = field(None, "a run's config.json to start from (flags given override it); a new run")
-    trace: Optional[bool] = field(None, "record per-rank spans -> trace.json + timeline.png; unset = on for runs of <= 200 steps")
+    trace: Optional[bool] = field(None, "record per-rank spans -> trace.json + timeline.png; unset = on for runs "
+                                  "of <= 200 steps")
     progress: bool = field(True, "tqdm progress bar on the leader")
 
 
@@ -148,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
         flag = "--" + f.metadata.get("flag", f.name).replace("_", "-")
         kind = f.type if isinstance(f.type, str) else f.type.__name__
         if kind in ("bool", "Optional[bool]"):
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                                help=f.metadata["help"])
         else:
             caster = {"int": int, "Optional[int]": int, "float": float, "Optional[float]": float}.get(kind, str)
             parser.add_argument(flag, dest=f.name, type=caster, default=f.default, help=f.metadata["help"])
@@ -187,6 +220,12 @@ def resolve(cfg: Config) -> Config:
         rank, alpha = lora.default_rank_alpha(c.model, c.init_lora)
         c.lora_rank = rank if c.lora_rank is None else c.lora_rank
         c.lora_alpha = alpha if c.lora_alpha is None else c.lora_alpha
+    if c.tsp_pack is None:
+        c.tsp_pack = 4 if c.pretrained is not None else 20
+    if c.noise_level is None:
+        c.noise_level = 0.7 if c.pretrained is not None else 0.5
+    if c.eval_seeds is None:
+        c.eval_seeds = 1 if c.pretrained is not None else 8
     if c.max_stale_fragments is None:
         c.max_stale_fragments = c.rollout_ranks
     if c.trace is None:
@@ -208,7 +247,7 @@ def validate(c: Config, world_size: int) -> None:
     family = models.get_family(c.model)
     family.check_frames(c.frames)
     for name in ("steps", "prompts_per_step", "group_size", "fragment_groups", "tsp_pack", "threads",
-                 "keep_checkpoints", "nproc") + (("lora_rank",) if c.lora else ()):
+                 "keep_checkpoints", "nproc", "eval_seeds") + (("lora_rank",) if c.lora else ()):
         if getattr(c, name) < 1:
             _bad(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(c, name)}")
     if c.group_size < 2:
@@ -273,11 +312,13 @@ def validate(c: Config, world_size: int) -> None:
     elif any((c.gap, c.tsp, c.tag, c.use_async)):
         _bad("--gap, --tsp, --tag and --async need --placement disaggregated (colocated ranks do both jobs)")
     if c.fsdp and not c.tsp:
-        _bad("--fsdp needs --tsp: FSDP requires every trainer to run the same number of passes, which only TSP guarantees")
+        _bad("--fsdp needs --tsp: FSDP requires every trainer to run the same number of passes, which only TSP "
+             "guarantees")
     trainers = world_size - c.rollout_ranks
     if c.fsdp and c.tag and c.fragment_groups < trainers:
         _bad(f"--fsdp with --tag needs --fragment-groups >= the {trainers} trainer ranks (got {c.fragment_groups}): "
-             "every FSDP rank must run the same forwards, so each trainer generates at least one group of a TAG fragment")
+             "every FSDP rank must run the same forwards, so each trainer generates at least one group of a TAG "
+             "fragment")
     if c.tag and not (c.gap and c.tsp):
         _bad("--tag needs --gap and --tsp (the trainer group generates while it waits for streamed fragments, "
              "then trains them spread over all trainers)")

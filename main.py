@@ -40,8 +40,7 @@ class Rank:
     params: list
     reward_fn: object
     prompts: list[str]
-    eval_prompts: list[str]
-    eval_metadata: list | None  # one dict per evaluation prompt (its dataset row), for metadata-taking rewards
+    source: object  # infra.prompts.PromptSource: train and held-out prompts with their dataset rows
     sampling: object
     queue: object  # gap.FragmentQueue
     steps: range
@@ -114,7 +113,8 @@ def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple[str, int
 
     path = cfg.pretrained or models.tiny_pipeline_path(cfg.model, cfg.cache_dir)
     policy = models.load(cfg.model, path, device, dtype, height=cfg.resolution or None, frames=cfg.frames or None,
-                         max_sequence_length=cfg.text_len, guidance=cfg.guidance, prompt_cache_size=cfg.prompt_cache_size)
+                         max_sequence_length=cfg.text_len, guidance=cfg.guidance,
+                         prompt_cache_size=cfg.prompt_cache_size)
     torch.manual_seed(cfg.seed)  # identical LoRA init on every rank (the leader also publishes version 0)
     if cfg.lora:
         models.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
@@ -136,7 +136,7 @@ def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple[str, int
         steps = range(rundir.checkpoint_step(rundir.check_resume(cfg.resume, cfg)), cfg.steps)
     r = Rank(cfg, rank, world, groups, store, tracer, policy,
              params=[p for p in policy.transformer.parameters() if p.requires_grad], reward_fn=reward_fn,
-             prompts=source.train, eval_prompts=source.eval, eval_metadata=source.eval_metadata,
+             prompts=source.train, source=source,
              sampling=rollout.SamplingConfig(cfg.num_steps, cfg.noise_level, cfg.timestep_fraction, cfg.algo,
                                              cfg.adv_clip),
              queue=gap.FragmentQueue(dist.PrefixStore("queue", store), cfg.prompts_per_step) if store else None,
@@ -193,7 +193,8 @@ def trainer_rank(r: Rank):
     import tag
     import tsp
     from infra import rundir
-    from rollout import evaluate, num_train_timesteps
+    from infra.evaluation import Evaluator
+    from rollout import num_train_timesteps
     from trainer import TrainConfig, Trainer, run_colocated_rank, run_trainer_rank, train_fragment
 
     cfg, groups, policy, queue, tracer = r.cfg, r.groups, r.policy, r.queue, r.tracer
@@ -213,6 +214,15 @@ def trainer_rank(r: Rank):
     total_pairs = cfg.prompts_per_step * cfg.group_size * num_train_timesteps(r.sampling)
     run_dir = _run_dir(cfg, r.steps) if leader else None
     bar = _progress_bar(cfg, r.steps) if leader and cfg.progress else None
+    n_eval = cfg.eval_prompts or len(r.source.train)  # training prompts on held-out noises, then held-out prompts
+    evaluator = Evaluator(r.source.train[:n_eval], r.source.eval, r.sampling, r.reward_fn, cfg.eval_seeds,
+                          run_dir.path if leader else None, metadata=r.source.train_metadata[:n_eval],
+                          heldout_metadata=r.source.eval_metadata,
+                          on_images=run_dir.log_eval_media if leader else None)
+    initial_eval = {}  # the policy the run starts from: logged in the first row as eval_reward_initial, ...
+    if cfg.eval_every and (leader or cfg.fsdp):  # under FSDP evaluation is a collective
+        with tracer.span("eval", step=r.steps.start):
+            initial_eval = {f"{k}_initial": v for k, v in evaluator(policy, r.steps.start).items()}
     stale_budget = async_policy.StaleBudget(r.prefixed("stale"), cfg.max_stale_fragments) if cfg.use_async else None
 
     # TAG: the leader decides and claims; every trainer generates its share of what the leader claimed.
@@ -247,7 +257,10 @@ def trainer_rank(r: Rank):
             return gap.dealt_fragments(queue, step, cfg.prompts_per_step // cfg.fragment_groups, me, k,
                                        lambda a: receive(step, a))
         poll = lambda seq: queue.poll(step, seq) is not None  # noqa: E731
-        decide = assistant.next_command(step, poll, tsp.TRAIN, tsp.GENERATE) if assistant else tsp.wait_for_arrival(poll)
+        if assistant:
+            decide = assistant.next_command(step, poll, tsp.TRAIN, tsp.GENERATE)
+        else:
+            decide = tsp.wait_for_arrival(poll)
 
         def next_command(next_seq, groups_done):
             with tracer.span("wait", step=step, what="fragment"):
@@ -257,7 +270,8 @@ def trainer_rank(r: Rank):
             start = time.perf_counter()
             fragment = tag.assisted_generation(
                 first, count, k, me, generate=lambda f, c: r.generate(step, f, c, trainer.version, tag.TAG_PRODUCER),
-                share=lambda part, owner: gap.broadcast_fragment(part, groups.trainer_ranks[owner], groups.trainer_data),
+                share=lambda part, owner: gap.broadcast_fragment(part, groups.trainer_ranks[owner],
+                                                                 groups.trainer_data),
                 concat=gap.concat_fragments)
             if assistant:
                 assistant.generated_groups(step, count, time.perf_counter() - start)
@@ -299,15 +313,17 @@ def trainer_rank(r: Rank):
         now = time.perf_counter()  # wall_s: seconds since this process's first step (compare_runs' time to reward)
         metrics.update(step_time_s=now - last["t"], wall_s=now - last["start"], version=trainer.version)
         if leader or cfg.fsdp:
-            scores = images = state = None
+            state = None
             if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
                 with tracer.span("eval", step=step):
-                    scores, images = evaluate(policy, r.eval_prompts, r.sampling, r.reward_fn, metadata=r.eval_metadata)
+                    metrics.update(evaluator(policy, step + 1))  # eval_reward, eval_reward_heldout_prompts; grids
             if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
                 with tracer.span("checkpoint", step=step):
                     state = trainer.checkpoint_state(keep=leader)
             if leader:
-                _leader_records(cfg, run_dir, policy, step, metrics, scores, images, r.eval_prompts, state, tracer)
+                metrics.update(initial_eval)
+                initial_eval.clear()
+                _leader_records(cfg, run_dir, policy, step, metrics, state, tracer)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", tag=int(metrics["tag_fragments"]),
@@ -353,13 +369,10 @@ def _run_dir(cfg, steps):
     return run_dir
 
 
-def _leader_records(cfg, run_dir, policy, step, metrics, scores, images, eval_prompts, state, tracer) -> None:
+def _leader_records(cfg, run_dir, policy, step, metrics, state, tracer) -> None:
     import models
     from infra import rundir
 
-    if scores is not None:
-        metrics["eval_reward"] = float(scores["total"].mean())
-        run_dir.log_eval(step, images, eval_prompts, scores["total"])
     run_dir.log(step, metrics)
     if state is not None:
         with tracer.span("checkpoint", step=step):

@@ -108,7 +108,8 @@ def generate_fragment(policy, spec: FragmentSpec, prompts: list[str], cfg: Sampl
     advantages = grpo.group_advantages(total, spec.group_size, clip=cfg.adv_clip)  # [m]
     cpu = lambda t: t.detach().to("cpu")  # noqa: E731  (fragments travel and wait on the host)
     return Fragment(
-        step=spec.step, first_group=spec.first_group, policy_version=version, producer=producer, group_size=spec.group_size,
+        step=spec.step, first_group=spec.first_group, policy_version=version, producer=producer,
+        group_size=spec.group_size,
         prompt_ids=torch.tensor(spec.prompt_ids, dtype=torch.long),
         cond={k: cpu(v) for k, v in cond.items()},
         latents=cpu(x_t), next_latents=cpu(x_next), timestep_index=t_idx,
@@ -116,16 +117,30 @@ def generate_fragment(policy, spec: FragmentSpec, prompts: list[str], cfg: Sampl
         rewards=cpu(total), reward_parts=cpu(parts), advantages=cpu(advantages))
 
 
+# Evaluation seeds sit far above the training ones (gap.fragment_spec numbers them from (seed, step, index) upwards
+# from 0), so evaluation never replays a trajectory the policy was trained on.
+EVAL_SEED = 2**62
+
+
 @torch.no_grad()
-def evaluate(policy, prompts: list[str], cfg: SamplingConfig, reward_fn, seed: int = 1234, metadata=None):
-    """Deterministic evaluation (noise level 0, fixed seeds): returns (reward dict, images). `metadata`: one dict per
-    prompt (its dataset row), passed to the reward."""
+def evaluate(policy, prompts: list[str], cfg: SamplingConfig, reward_fn, seed: int = EVAL_SEED,
+             seeds_per_prompt: int = 1, metadata: list[dict] | None = None):
+    """Deterministic evaluation (noise level 0): every prompt from the same `seeds_per_prompt` initial noises
+    (seed, seed + 1, ...). Returns (reward dict of [P S] tensors, images [P S, ...]), prompt-major. `metadata`:
+    one dict per prompt (its dataset row), passed to the reward.
+
+    Sharing the noises across prompts makes the comparison paired: a model that ignores the prompt draws the
+    same image for every colour word, and the colour reward of one image summed over red, green and blue is
+    exactly 0, so such a model scores 0 on the colour task up to the mean over seeds, not just on average."""
     det = dataclasses.replace(cfg, noise_level=0.0)
-    cond = policy.encode_prompts(prompts)
-    seeds = [seed + i for i in range(len(prompts))]
+    seeds = [seed + j for _ in prompts for j in range(seeds_per_prompt)]
+    texts = [p for p in prompts for _ in range(seeds_per_prompt)]
+    cond = policy.encode_prompts(texts)
     final, _ = sample_trajectories(policy, cond, seeds, seeds, det)
     images = policy.decode(final)
-    return (reward_fn(images, prompts) if metadata is None else reward_fn(images, prompts, metadata)), images
+    if metadata is None:
+        return reward_fn(images, texts), images
+    return reward_fn(images, texts, [m for m in metadata for _ in range(seeds_per_prompt)]), images
 
 
 # --- the rollout rank ------------------------------------------------------------------------------

@@ -159,7 +159,8 @@ class Assistant:
                  poll_s: float = 0.001):
         self.groups_per_step, self.fragment_groups, self.rollout_ranks = groups_per_step, fragment_groups, rollout_ranks
         self.trainers, self.quantum, self.poll_s = trainers, quantum, poll_s
-        self.claim, self.claimed, self.announced_groups, self.rollout_gen_s = claim, claimed, announced_groups, rollout_gen_s
+        self.claim, self.claimed = claim, claimed
+        self.announced_groups, self.rollout_gen_s = announced_groups, rollout_gen_s
         self.gen_trainer, self.train = RunningMean(), RunningMean()  # seconds per group
         self.publish = RunningMean()  # seconds from the leader's publish to the rollout holding the weights
         self.pending = collections.defaultdict(list)  # step -> [(first_group, count)] claimed, not generated
@@ -229,5 +230,6 @@ def assisted_generation(first_group: int, num_groups: int, trainers: int, me: in
     part on every trainer. Returns the whole fragment on every trainer."""
     lo, hi = split_groups(num_groups, trainers, me)
     mine = generate(first_group + lo, hi - lo) if hi > lo else None
-    owners = [r for r in range(trainers) if split_groups(num_groups, trainers, r)[1] > split_groups(num_groups, trainers, r)[0]]
+    owners = [r for r in range(trainers)
+              if split_groups(num_groups, trainers, r)[1] > split_groups(num_groups, trainers, r)[0]]
     return concat([share(mine if r == me else None, r) for r in owners])

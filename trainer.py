@@ -179,7 +179,8 @@ class Trainer:
             m.add(f"ratio_mean_{kind}", stats["ratio_mean"] * real)
             m.add(f"clipfrac_{kind}", stats["clipfrac"] * real)  # stale pairs the clip discards (TCSS's cost)
             m.low("ratio_min", stats["ratio_min"]); m.high("ratio_max", stats["ratio_max"])  # noqa: E702
-            m.low(f"ratio_min_{kind}", stats["ratio_min"]); m.high(f"ratio_max_{kind}", stats["ratio_max"])  # noqa: E702
+            m.low(f"ratio_min_{kind}", stats["ratio_min"])
+            m.high(f"ratio_max_{kind}", stats["ratio_max"])
             logprob_gap = ((logp - batch["old_log_prob"].to(logp.device)).abs() * mask_t).sum()
             m.add("logprob_gap", logprob_gap)  # |trainer log-prob - rollout log-prob|: numerics, or staleness
 
@@ -218,7 +219,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.version += 1
         out = summarize(self.metrics, reward_names)
-        out.update(grad_norm=grad_norm, skipped_step=float(not finite), bad_steps_in_a_row=float(self.bad_steps_in_a_row))
+        out.update(grad_norm=grad_norm, skipped_step=float(not finite),
+                   bad_steps_in_a_row=float(self.bad_steps_in_a_row))
         self.metrics = MetricSums()
         if self.bad_steps_in_a_row >= self.cfg.max_bad_steps:
             raise FloatingPointError(f"{self.bad_steps_in_a_row} optimizer steps in a row had a non-finite loss or "
@@ -253,7 +255,8 @@ def summarize(m: MetricSums, reward_names: list[str]) -> dict[str, float]:
         if s.get(f"pairs_{kind}", 0) > 0:
             out[f"ratio_mean_{kind}"] = s[f"ratio_mean_{kind}"] / s[f"pairs_{kind}"]
             out[f"clipfrac_{kind}"] = s.get(f"clipfrac_{kind}", 0.0) / s[f"pairs_{kind}"]
-            out[f"ratio_min_{kind}"], out[f"ratio_max_{kind}"] = m.mins[f"ratio_min_{kind}"], m.maxs[f"ratio_max_{kind}"]
+            out[f"ratio_min_{kind}"] = m.mins[f"ratio_min_{kind}"]
+            out[f"ratio_max_{kind}"] = m.maxs[f"ratio_max_{kind}"]
     mean = s.get("reward_sum", 0.0) / traj
     out["reward_mean"] = mean
     out["reward_std"] = max(s.get("reward_sq", 0.0) / traj - mean**2, 0.0) ** 0.5

@@ -40,7 +40,8 @@ def per_timestep_packs(num_samples: int, num_train_timesteps: int) -> list[list[
     return [[(i, j) for i in range(num_samples)] for j in range(num_train_timesteps)]
 
 
-def tsp_packs(num_samples: int, num_train_timesteps: int, rank: int, world: int, pack: int) -> tuple[list[list[Pair]], list[list[float]]]:
+def tsp_packs(num_samples: int, num_train_timesteps: int, rank: int, world: int,
+              pack: int) -> tuple[list[list[Pair]], list[list[float]]]:
     """This rank's packs of pairs and their validity masks (1 real, 0 padding).
 
     Every rank gets ceil(n / world) pairs rounded up to a multiple of `pack`, so all ranks run

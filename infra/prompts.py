@@ -11,7 +11,8 @@
   `*.txt` prompts carry empty metadata ({}), as Flow-GRPO's TextPromptDataset.
 - A plain text file (one prompt per line, blank lines skipped) is split here: E = min(8, n // 10) evenly spaced
   prompts (lines k, 2k, ..., k = n // E) are held out for evaluation and never trained on. A file with fewer than
-  10 prompts has no held-out split: evaluation uses its first prompts, and `note` says so.
+  10 prompts has no held-out split (`eval` is empty: evaluation uses the training prompts on held-out noises), and
+  `note` says so.
 - A `.jsonl` file (or a text file whose first line is a JSON object) given as a text file is refused: its lines
   would be trained on as raw JSON. Give the folder that holds `train_metadata.jsonl` / `test_metadata.jsonl`.
 Every problem is a ValueError naming the path and what is expected; config.validate calls this before spawning.
@@ -106,9 +107,9 @@ def _text_file(path: str) -> PromptSource:
                          "which must hold train_metadata.jsonl and test_metadata.jsonl")
     held = min(MAX_HELD_OUT, len(prompts) // 10)
     if held == 0:
-        return PromptSource(prompts, prompts[:MAX_HELD_OUT], [{} for _ in prompts],
-                            [{} for _ in prompts[:MAX_HELD_OUT]], "text file",
-                            note=f"{len(prompts)} prompts (< 10): no held-out split, evaluation uses training prompts")
+        return PromptSource(prompts, [], [{} for _ in prompts], [], "text file",
+                            note=f"{len(prompts)} prompts (< 10): no held-out split, evaluation uses the training "
+                                 "prompts on held-out noises only")
     stride = len(prompts) // held
     eval_ids = {stride * (j + 1) - 1 for j in range(held)}  # lines k, 2k, ..., held * k (1-based)
     train = [p for i, p in enumerate(prompts) if i not in eval_ids]

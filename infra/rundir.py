@@ -3,8 +3,9 @@
 runs/<name>/
   config.json            the resolved Config
   metrics.jsonl          one JSON object per step (see README's metrics glossary)
-  reward_curve.png       train and eval reward per step
-  eval/step_000010.png   deterministic samples on held-out prompts (videos: .gif); also in TensorBoard / W&B
+  reward_curve.png       train reward per step and the evaluation curves (infra/evaluation.py)
+  eval/step_000010.png   deterministic samples after 10 updates, captioned with prompts and rewards (videos: .gif)
+  before_after.png       the first evaluation next to the latest one, same prompts and noises (videos: .gif)
   tensorboard/, wandb/   with --tensorboard / --wandb (infra/tracking.py); wandb_id.txt: the W&B run to resume
   checkpoints/step_000050/  state.pt (weights, optimizer, step, RNG, config) and, with LoRA,
                             pytorch_lora_weights.safetensors that `pipe.load_lora_weights` accepts
@@ -38,27 +39,103 @@ def atomic_write(path: str, write) -> None:
         raise
 
 
-def save_image_grid(images: torch.Tensor, path: str, nrow: int | None = None) -> None:
-    """images [B, 3, H, W] in [0, 1] -> one PNG grid; videos [B, F, 3, H, W] -> an animated GIF grid."""
-    from PIL import Image
+def save_image_grid(images: torch.Tensor, path: str, nrow: int | None = None, labels: list[str] | None = None,
+                    row_labels: list[str] | None = None, title: str | None = None, scale: int = 1) -> None:
+    """images [B, 3, H, W] in [0, 1] -> one PNG grid; videos [B, F, 3, H, W] -> an animated GIF grid.
 
-    if images.ndim == 5:
-        frames = [_grid(images[:, f], nrow) for f in range(images.shape[1])]
-        pil = [Image.fromarray(f) for f in frames]
-        atomic_write(path, lambda p: pil[0].save(p, format="GIF", save_all=True, append_images=pil[1:], duration=120, loop=0))
+    nrow images per row; optional captions: `labels` (one per image, under it), `row_labels` (one per row, on the
+    left), `title` (on top); `scale` enlarges each image (nearest neighbour) so that tiny images stay readable."""
+    save_panels([(title, images, labels)], path, nrow, row_labels, scale)
+
+
+def save_panels(panels: list[tuple[str | None, torch.Tensor, list[str] | None]], path: str, nrow: int | None = None,
+                row_labels: list[str] | None = None, scale: int = 1) -> None:
+    """Grids side by side (e.g. before | after), each (title, images, labels) as in `save_image_grid`, sharing the
+    row labels on the left. Written atomically: PNG for images, an animated GIF when they are videos."""
+
+    videos = panels[0][1].ndim == 5
+    n_frames = panels[0][1].shape[1] if videos else 1
+    frames = []
+    for f in range(n_frames):
+        grids = [_grid(images[:, f] if videos else images, nrow, labels, scale, title)
+                 for title, images, labels in panels]
+        top = _TITLE if any(title for title, _, _ in panels) else 0
+        frames.append(_side_by_side(grids, _row_label_column(row_labels, grids[0].height, top)))
+    if videos:
+        atomic_write(path, lambda p: frames[0].save(p, format="GIF", save_all=True, append_images=frames[1:],
+                                                    duration=150, loop=0))
     else:
-        atomic_write(path, lambda p: Image.fromarray(_grid(images, nrow)).save(p, format="PNG"))
+        atomic_write(path, lambda p: frames[0].save(p, format="PNG"))
 
 
-def _grid(images: torch.Tensor, nrow: int | None) -> np.ndarray:
-    b, c, h, w = images.shape
+def _font(size: int = 12):
+    from PIL import ImageFont
+
+    try:
+        return ImageFont.load_default(size=size)  # a scalable font where Pillow has FreeType
+    except (TypeError, OSError):
+        return ImageFont.load_default()
+
+
+_PAD, _CAPTION, _TITLE = 2, 14, 18  # pixels: border around each image, caption line, title line
+
+
+def _grid(images: torch.Tensor, nrow: int | None, labels: list[str] | None, scale: int, title: str | None):
+    """[B, 3, H, W] -> a PIL image: nrow per row, each with a border and an optional caption, and a title."""
+    from PIL import Image, ImageDraw
+
+    b, _, h, w = images.shape
     nrow = nrow or b
     rows = math.ceil(b / nrow)
-    canvas = torch.ones(c, rows * (h + 2), nrow * (w + 2))
+    cell_w, cell_h = w * scale + 2 * _PAD, h * scale + 2 * _PAD + (_CAPTION if labels else 0)
+    top = _TITLE if title else 0
+    pixels = (images.clamp(0, 1) * 255).round().to(torch.uint8)  # [B, 3, H, W]
+    if scale > 1:
+        pixels = pixels.repeat_interleave(scale, dim=2).repeat_interleave(scale, dim=3)  # [B, 3, sH, sW]
+    canvas = Image.new("RGB", (nrow * cell_w, top + rows * cell_h), "white")
+    draw = ImageDraw.Draw(canvas)
+    font = _font()
+    if title:
+        draw.text((_PAD, 2), title, fill="black", font=font)
     for i in range(b):
-        r, col = divmod(i, nrow)
-        canvas[:, r * (h + 2) + 1:r * (h + 2) + 1 + h, col * (w + 2) + 1:col * (w + 2) + 1 + w] = images[i]
-    return (canvas.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+        r, c = divmod(i, nrow)
+        x, y = c * cell_w + _PAD, top + r * cell_h + _PAD
+        canvas.paste(Image.fromarray(pixels[i].permute(1, 2, 0).numpy()), (x, y))
+        if labels:
+            draw.text((x, y + h * scale + 1), labels[i], fill="black", font=font)
+    return canvas
+
+
+def _row_label_column(row_labels: list[str] | None, height: int, top: int):
+    """A white column `height` tall with one label per grid row (rows start below `top`), or None."""
+    if not row_labels:
+        return None
+    from PIL import Image, ImageDraw
+
+    font = _font()
+    rows = len(row_labels)
+    probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    width = 8 + max(int(probe.textlength(t, font=font)) for t in row_labels)
+    column = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(column)
+    row_h = (height - top) / rows
+    for r, text in enumerate(row_labels):
+        draw.text((4, top + r * row_h + row_h / 2 - 7), text, fill="black", font=font)
+    return column
+
+
+def _side_by_side(grids, column=None):
+    from PIL import Image
+
+    parts = ([column] if column is not None else []) + grids
+    gap = 12
+    size = (sum(p.width for p in parts) + gap * (len(parts) - 1), max(p.height for p in parts))
+    out = Image.new("RGB", size, "white")
+    x = 0
+    for part in parts:
+        out.paste(part, (x, 0))
+        x += part.width + gap
+    return out
 
 
 class RunDir:
@@ -81,7 +158,8 @@ class RunDir:
             self.wandb = WandbTracker(path, **wandb)
 
     def log(self, step: int, metrics: dict) -> None:
-        row = {"step": step, **{k: (float(v) if isinstance(v, (int, float, np.floating)) else v) for k, v in metrics.items()}}
+        row = {"step": step, **{k: (float(v) if isinstance(v, (int, float, np.floating)) else v)
+                                for k, v in metrics.items()}}
         with open(self.metrics_path, "a") as f:  # append-only: a crash loses at most the last line
             f.write(json.dumps(row) + "\n")
             f.flush()
@@ -92,10 +170,10 @@ class RunDir:
         if self.wandb is not None:
             self.wandb.log(step, row)
 
-    def log_eval(self, step: int, images: torch.Tensor, prompts: list[str], scores: torch.Tensor | None = None) -> None:
-        """The evaluation's samples: eval/step_N.png (videos .gif), TensorBoard's `eval` image, W&B captioned images."""
-        ext = "gif" if images.ndim == 5 else "png"
-        save_image_grid(images, os.path.join(self.path, "eval", f"step_{step + 1:06d}.{ext}"))
+    def log_eval_media(self, step: int, images: torch.Tensor, prompts: list[str],
+                       scores: torch.Tensor | None = None) -> None:
+        """The evaluation's samples in TensorBoard (`eval` image) and W&B (captioned images); the grid files
+        are infra/evaluation.py's."""
         if self.tb is not None:  # one image: a row per sample (videos: its frames left to right)
             strips = images if images.ndim == 4 else torch.cat(list(images.transpose(0, 1)), dim=-1)  # [B, 3, H, W*]
             self.tb.add_image("eval", _grid(strips, 1), step, dataformats="HWC")
@@ -130,7 +208,7 @@ class RunDir:
     def plot_rewards(self) -> None:
         rows = self.read_metrics()
         if rows:
-            plot_reward_curves({"train reward (mean)": rows}, os.path.join(self.path, "reward_curve.png"), eval_too=True)
+            plot_reward_curves({"": rows}, os.path.join(self.path, "reward_curve.png"), eval_too=True)
             # A closed figure is cyclic garbage, and with a rank's ~500k long-lived objects Python runs a full
             # collection only every ~100 plots: the leader's RSS crept ~0.8 MB per checkpoint (soak.py). ~0.2 s.
             import gc
@@ -225,24 +303,45 @@ def smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
+EVAL_CURVES = (("eval_reward", "o-", "eval: training prompts, held-out seeds"),
+               ("eval_reward_heldout_prompts", "s:", "eval: held-out prompts"))
+
+
+def eval_points(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(updates, value) of an eval metric: the run's starting policy (`<key>_initial` in its first row, at that
+    row's step) and every later evaluation (logged in the row of the step whose update it follows, so at step + 1)."""
+    points = [(r["step"], r[f"{key}_initial"]) for r in rows if f"{key}_initial" in r]
+    points += [(r["step"] + 1, r[key]) for r in rows if key in r]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
 def plot_reward_curves(runs: dict[str, list[dict]], path: str, eval_too: bool = False, window: int = 1,
-                       title: str | None = None) -> None:
-    """One PNG with every run's reward_mean per step (label -> metrics rows), written atomically."""
+                       title: str | None = None) -> list[str]:
+    """One PNG with every run's train reward per step (label -> metrics rows; label "" for a single unnamed run)
+    and, with eval_too, its evaluation curves (see EVAL_CURVES). Written atomically; returns the legend entries."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     for label, rows in runs.items():
-        line, = ax.plot([r["step"] for r in rows], smooth([r["reward_mean"] for r in rows], window), label=label)
-        ev = [r for r in rows if "eval_reward" in r]
-        if eval_too and ev:
-            ax.plot([r["step"] for r in ev], [r["eval_reward"] for r in ev], "o--", color=line.get_color(),
-                    label=f"{label}: eval (deterministic)")
-    ax.set_xlabel("step"); ax.set_ylabel("reward" if window == 1 else f"reward ({window}-step mean)")  # noqa: E702
+        prefix = f"{label}: " if label else ""
+        rows = [r for r in rows if "reward_mean" in r]
+        what = "train reward (mean of the step's samples)" if window == 1 else f"train reward ({window}-step mean)"
+        line, = ax.plot([r["step"] for r in rows], smooth([r["reward_mean"] for r in rows], window),
+                        label=prefix + what,
+                        alpha=0.8)
+        for i, (key, style, name) in enumerate(EVAL_CURVES if eval_too else ()):
+            steps, values = eval_points(rows, key)
+            if steps:  # one run: a colour per curve; several runs: a colour per run
+                color = f"C{i + 1}" if len(runs) == 1 else line.get_color()
+                ax.plot(steps, values, style, color=color, markersize=3, label=prefix + name)
+    ax.set_xlabel("step (optimizer updates)"); ax.set_ylabel("reward")  # noqa: E702
     ax.legend(fontsize=8); ax.grid(alpha=0.3)  # noqa: E702
     if title:
         ax.set_title(title, fontsize=10)
     fig.tight_layout()
     atomic_write(path, lambda p: fig.savefig(p, format="png", dpi=100))
+    legend = [text.get_text() for text in ax.get_legend().get_texts()]
     plt.close(fig)
+    return legend

@@ -47,12 +47,20 @@ def default_cache_dir() -> str:
 
 
 def tiny_pipeline_path(name: str, cache_dir: str | None = None) -> str:
-    """Build the tiny pipeline of a family once into the cache folder; return its path."""
+    """Build the tiny pipeline of a family once into the cache folder; return its path.
+
+    It is pre-trained on synthetic images (models/pretrain.py) unless $DIGENRL_TINY_PRETRAIN says otherwise."""
+    from . import pretrain
+
     family = get_family(name)
-    path = os.path.join(cache_dir or default_cache_dir(), f"tiny-{name}-v1")
+    variant = pretrain.variant_from_env()
+    # v3: pre-trained on synthetic images (faint caption match, wider video models); bump whenever what
+    # build_tiny makes changes.
+    suffix = "" if variant == "full" else f"-{variant}"
+    path = os.path.join(cache_dir or default_cache_dir(), f"tiny-{name}-v3{suffix}")
     if not os.path.isfile(os.path.join(path, "model_index.json")):
         tmp = f"{path}.tmp{os.getpid()}"  # build aside, then rename: concurrent ranks never see half a pipeline
-        family.build_tiny(tmp)
+        family.build_tiny(tmp, pretrain_config=pretrain.variant_config(family, variant))
         try:
             os.replace(tmp, path)
         except OSError:  # another process won the race; its copy is complete
@@ -118,7 +126,8 @@ class Policy:
         """v(latents, sigma | cond) in float32 [B, ...]; sigma is per-sample [B]."""
         transformer = transformer if transformer is not None else self.transformer
         cond = {k: v.to(self.device, self.dtype) for k, v in cond.items()}
-        neg = None if self.negative_cond is None else {k: v.to(self.device, self.dtype) for k, v in self.negative_cond.items()}
+        neg = None if self.negative_cond is None else {
+            k: v.to(self.device, self.dtype) for k, v in self.negative_cond.items()}
         amp = torch.autocast(self.device.type, dtype=self.dtype) if self.autocast else contextlib.nullcontext()
         with amp:  # fp32 master weights: matmuls run in the policy dtype, as on the rollout ranks
             out = self.family.forward(self.pipe, transformer, latents.to(self.device, self.dtype),

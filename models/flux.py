@@ -14,14 +14,17 @@ from .tiny_text import clip_tokenizer, t5_tokenizer
 class FluxFamily(Family):
     name = "flux"
     pipeline_class_name = "FluxPipeline"
-    required_components = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2", "scheduler")
+    required_components = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2",
+                           "scheduler")
     # The `attention` preset: every attention projection of both streams (and, by suffix, of the single blocks).
     # Flow-GRPO's own FLUX list also adapts the feed-forward layers: models/lora.py FLOW_GRPO.
     lora_targets = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
                     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
     default_guidance = 3.5
 
-    def build_tiny(self, path: str, seed: int = 0) -> None:
+    def build_tiny(self, path: str, seed: int = 0, pretrain_config=None) -> None:
+        """Build the tiny pipeline and save it. pretrain_config: None = $DIGENRL_TINY_PRETRAIN's variant (full unless
+        set), False = random weights, or a models.pretrain.PretrainConfig."""
         from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
         from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
@@ -34,14 +37,16 @@ class FluxFamily(Family):
         text_encoder_2 = T5EncoderModel(T5Config(
             vocab_size=len(tokenizer_2), d_model=32, d_kv=16, d_ff=64, num_layers=1, num_heads=2,
             pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
-        # DESIGN.md section 7: 1 double + 1 single block, head dim 16, 2 heads learns the colour task.
+        # 1 double + 1 single block, 4 heads of 16; in_channels = 4 latent channels x (2 x 2 packing).
         transformer = FluxTransformer2DModel(
             patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=16,
-            num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
+            num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True,
             axes_dims_rope=(4, 6, 6))
+        # 4x downsampling: 32 px -> 8 x 8 latents -> 16 tokens. Pre-training (models/pretrain.py) makes the
+        # normalised latent a 4x4-block average of the colours; scaling 1, shift 0 is then already normalised.
         vae = AutoencoderKL(
-            in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16), layers_per_block=1,
-            down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
+            in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16, 16), layers_per_block=1,
+            down_block_types=("DownEncoderBlock2D",) * 3, up_block_types=("UpDecoderBlock2D",) * 3,
             norm_num_groups=4, sample_size=32, scaling_factor=1.0, shift_factor=0.0,
             use_quant_conv=False, use_post_quant_conv=False)
         scheduler = FlowMatchEulerDiscreteScheduler(
@@ -49,6 +54,8 @@ class FluxFamily(Family):
             base_shift=0.5, max_shift=1.15)
         pipe = FluxPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
                             text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2, transformer=transformer)
+        from .pretrain import pretrain_for_build  # synthetic images -> structured samples (README, the demo)
+        pretrain_for_build(self, pipe, pretrain_config, seed, max_sequence_length=tokenizer_2.model_max_length)
         pipe.save_pretrained(path)
 
     def encode(self, pipe, prompts, device, max_sequence_length):
@@ -84,8 +91,27 @@ class FluxFamily(Family):
             pooled_projections=cond["pooled_prompt_embeds"], encoder_hidden_states=cond["prompt_embeds"],
             txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]  # [B, n, 4C]
 
+    # --- pre-training hooks (models/pretrain.py) ---------------------------------------------
+    def latent_layout(self, pipe):
+        """(latent channels, pixels per latent pixel, colour sub-grid) of pretrain.latent_target."""
+        return pipe.vae.config.latent_channels, pipe.vae_scale_factor, 1
+
+    def images_to_vae(self, images):
+        return images * 2 - 1  # [B, 3, H, W] in [-1, 1]
+
+    def vae_to_images(self, decoded):
+        return decoded  # [B, 3, H, W]
+
+    def denormalise(self, pipe, latents):
+        """Normalised latents [B, C, h, w] -> what the VAE decodes (as FluxPipeline does before vae.decode)."""
+        return latents / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
+
+    def pack(self, pipe, latents):
+        b, c, h, w = latents.shape
+        return pipe._pack_latents(latents, b, c, h, w)  # [B, (h/2)(w/2), 4C]
+
     def decode(self, pipe, latents, height, width, frames):
         latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor)  # [B, C, h, w]
-        latents = latents / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
+        latents = self.denormalise(pipe, latents)
         image = pipe.vae.decode(latents.to(pipe.vae.dtype), return_dict=False)[0]  # [B, 3, H, W] in ~[-1, 1]
         return (image.float() / 2 + 0.5).clamp(0, 1)

@@ -29,10 +29,12 @@ class HunyuanVideoFamily(Family):
                     "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out")
     is_video = True
     tiny_frames = 5  # (frames - 1) % 4 == 0: 5 frames -> 2 latent frames
+    # models/pretrain.py: a video VAE step costs ~8x an image's; half-size transformer batches keep the build ~1 min
+    pretrain_overrides = {"vae_batch": 8, "vae_steps": 200, "flow_batch": 32}
     default_guidance = 6.0  # HunyuanVideoPipeline's guidance_scale default (embedded)
     sequence_tokenizer = "tokenizer"  # max_sequence_length counts Llama tokens; CLIP (tokenizer_2) is always 77
 
-    def build_tiny(self, path: str, seed: int = 0) -> None:
+    def build_tiny(self, path: str, seed: int = 0, pretrain_config=None) -> None:
         from diffusers import (AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler, HunyuanVideoPipeline,
                                HunyuanVideoTransformer3DModel)
         from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
@@ -52,19 +54,24 @@ class HunyuanVideoFamily(Family):
             vocab_size=len(tokenizer_2), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
             num_attention_heads=2, max_position_embeddings=77, projection_dim=32,
             bos_token_id=0, eos_token_id=1, pad_token_id=1))
-        # Head dim 16 = rope axes (4, 6, 6); spatial patch 2 like the real model: 2 x 4 x 4 latents -> 8 tokens.
+        # Head dim 16 = rope axes (4, 6, 6); spatial patch 2 like the real model: 2 x 8 x 8 latents -> 32 tokens.
         transformer = HunyuanVideoTransformer3DModel(
-            in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=16, num_layers=1,
+            in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=16, num_layers=1,
             num_single_layers=1, num_refiner_layers=1, patch_size=2, patch_size_t=1, guidance_embeds=True,
             text_embed_dim=32, pooled_projection_dim=32, rope_axes_dim=(4, 6, 6))
+        # Spatial 4x (3 blocks; the real VAE has 8x), temporal 4x: 5 x 32 x 32 px -> 2 x 8 x 8 latents, so that the
+        # pre-trained latent (4 x 4-pixel colour blocks) can hold a disc.
         vae = AutoencoderKLHunyuanVideo(
-            in_channels=3, out_channels=3, latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 4,
-            up_block_types=("HunyuanVideoUpBlock3D",) * 4, block_out_channels=(8, 8, 8, 8), layers_per_block=1,
-            act_fn="silu", norm_num_groups=4, scaling_factor=0.476986, spatial_compression_ratio=8,
+            in_channels=3, out_channels=3, latent_channels=4, down_block_types=("HunyuanVideoDownBlock3D",) * 3,
+            up_block_types=("HunyuanVideoUpBlock3D",) * 3, block_out_channels=(8, 8, 8), layers_per_block=1,
+            act_fn="silu", norm_num_groups=4, scaling_factor=0.476986, spatial_compression_ratio=4,
             temporal_compression_ratio=4, mid_block_add_attention=True)
         scheduler = FlowMatchEulerDiscreteScheduler(shift=7.0)  # HunyuanVideo's released scheduler
         pipe = HunyuanVideoPipeline(text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,
                                     scheduler=scheduler, text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2)
+        from .pretrain import pretrain_for_build  # synthetic videos -> structured samples (README, the demo)
+        pretrain_for_build(self, pipe, pretrain_config, seed, frames=self.tiny_frames,
+                           max_sequence_length=tokenizer.model_max_length)
         pipe.save_pretrained(path)
 
     def encode(self, pipe, prompts, device, max_sequence_length):
@@ -93,8 +100,25 @@ class HunyuanVideoFamily(Family):
             encoder_attention_mask=cond["prompt_attention_mask"], pooled_projections=cond["pooled_prompt_embeds"],
             guidance=guidance_vec, return_dict=False)[0]  # [B, C, F', h, w]
 
+    # --- pre-training hooks (models/pretrain.py) ---------------------------------------------
+    def latent_layout(self, pipe):
+        """(latent channels, pixels per latent pixel, colour sub-grid) of pretrain.latent_target."""
+        return pipe.vae.config.latent_channels, pipe.vae_scale_factor_spatial, 1
+
+    def images_to_vae(self, videos):
+        return rearrange(videos * 2 - 1, "b f c h w -> b c f h w")  # [B, 3, F, H, W] in [-1, 1]
+
+    def vae_to_images(self, decoded):
+        return rearrange(decoded, "b c f h w -> b f c h w")  # [B, F, 3, H, W]
+
+    def denormalise(self, pipe, latents):
+        return latents / pipe.vae.config.scaling_factor  # as HunyuanVideoPipeline before vae.decode
+
+    def pack(self, pipe, latents):
+        return latents  # the transformer patchifies [B, C, F', h, w] itself
+
     def decode(self, pipe, latents, height, width, frames):
         vae = pipe.vae
-        video = vae.decode(latents.to(vae.dtype) / vae.config.scaling_factor, return_dict=False)[0]  # [B, 3, F, H, W]
+        video = vae.decode(self.denormalise(pipe, latents.to(vae.dtype)), return_dict=False)[0]  # [B, 3, F, H, W]
         video = (video.float() / 2 + 0.5).clamp(0, 1)
         return rearrange(video, "b c f h w -> b f c h w")  # [B, F, 3, H, W]

@@ -37,7 +37,9 @@ class QwenImageFamily(Family):
     uses_true_cfg = True
     default_guidance = 4.0  # the pipeline's true_cfg_scale default
 
-    def build_tiny(self, path: str, seed: int = 0) -> None:
+    def build_tiny(self, path: str, seed: int = 0, pretrain_config=None) -> None:
+        """Build the tiny pipeline (random weights: unlike flux, wan and hunyuanvideo it is not pre-trained, so
+        it serves the plumbing tests, not the visible demo) and save it; pretrain_config is accepted and ignored."""
         from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
                                QwenImageTransformer2DModel)
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration

@@ -9,6 +9,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import pytest  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The tests check plumbing, not pictures: they build the tiny pipelines with a few pre-training steps (a separate
+# cache folder, tiny-<model>-v3-quick), and tests/test_pretrain.py builds the full demo pipeline itself. Ranks
+# spawned by run_main inherit this, so they load the same pipelines.
+os.environ.setdefault("DIGENRL_TINY_PRETRAIN", "quick")
 
 
 @pytest.fixture(scope="session")
@@ -17,6 +21,28 @@ def tiny_cache(tmp_path_factory):
     path = os.environ.get("DIGENRL_TEST_CACHE") or str(tmp_path_factory.mktemp("digenrl-cache"))
     os.environ["DIGENRL_CACHE"] = path
     return path
+
+
+def tiny_fragment(noise_level: float = 0.7):
+    """A full-fine-tuning tiny FLUX policy and one generated fragment of 2 groups of 3 (T = 4, T_train = 3):
+    (policy, sampling, reward, prompts, spec, fragment). Needs the tiny_cache fixture."""
+    import torch
+
+    import gap
+    import models
+    import rewards
+    from rollout import SamplingConfig, generate_fragment
+
+    torch.manual_seed(0)
+    policy = models.load("flux", models.tiny_pipeline_path("flux"), "cpu", torch.float32)
+    models.enable_full_training(policy)
+    sampling = SamplingConfig(num_steps=4, noise_level=noise_level)  # T_train = int(4 * 0.99) = 3
+    reward = rewards.build_reward("color")
+    prompts = rewards.color_prompts("train")
+    spec = gap.fragment_spec(seed=0, step=0, first_group=0, num_groups=2, num_prompts_total=3, groups_per_step=2,
+                             group_size=3)
+    fragment = generate_fragment(policy, spec, prompts, sampling, reward, version=0, producer=0)
+    return policy, sampling, reward, prompts, spec, fragment
 
 
 def run_main(args, out_dir, cache, timeout=240, check=True, env=None):

@@ -61,7 +61,7 @@ def test_text_file_holds_out_evenly_spaced_prompts(tmp_path):
     assert load_prompt_source(str(path)).eval == [f"prompt {125 * j}" for j in range(1, 9)]  # at most 8
     path.write_text("a cat\na dog\n")  # < 10 prompts: no split, and the note says so
     source = load_prompt_source(str(path))
-    assert source.train == source.eval == ["a cat", "a dog"] and "no held-out split" in source.note
+    assert source.train == ["a cat", "a dog"] and source.eval == [] and "no held-out split" in source.note
 
 
 @pytest.mark.parametrize("name", ["test_metadata.jsonl", "prompts.txt"])

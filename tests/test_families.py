@@ -87,7 +87,7 @@ def test_velocity_reproduces_the_pipelines_own_sampling(name, built):
     """An Euler ODE loop over policy.velocity lands where the diffusers pipeline itself lands (same noise,
     same schedule): timestep convention, prompt encoding, noise layout and CFG all match the pipeline."""
     policy = models.load(name, built(name))
-    pipe, family = policy.pipe, policy.family
+    pipe = policy.pipe
     steps, prompt, seed = 3, "a red image", 0
     kwargs = dict(prompt=[prompt], height=policy.height, width=policy.width, num_inference_steps=steps,
                   output_type="latent", generator=torch.Generator().manual_seed(seed))

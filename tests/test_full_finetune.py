@@ -5,7 +5,6 @@ Run: python -m pytest -q tests/test_full_finetune.py
 import pytest
 import torch
 
-import async_policy
 import gap
 import main
 import models

@@ -19,11 +19,10 @@ import math
 import pytest
 import torch
 
-import gap
-import models
 import rewards
 import tsp
-from rollout import SamplingConfig, evaluate, generate_fragment, sample_trajectories
+from rollout import evaluate, sample_trajectories
+from conftest import tiny_fragment
 from trainer import TrainConfig, Trainer
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,16 +31,7 @@ NOISE_LEVEL = 0.7
 
 @pytest.fixture(scope="module")
 def setup(tiny_cache):
-    torch.manual_seed(0)
-    policy = models.load("flux", models.tiny_pipeline_path("flux"), "cpu", torch.float32)
-    models.enable_full_training(policy)
-    sampling = SamplingConfig(num_steps=4, noise_level=NOISE_LEVEL)  # T_train = int(4 * 0.99) = 3
-    reward = rewards.build_reward("color")
-    prompts = rewards.color_prompts("train")
-    spec = gap.fragment_spec(seed=0, step=0, first_group=0, num_groups=2, num_prompts_total=3, groups_per_step=2,
-                             group_size=3)
-    fragment = generate_fragment(policy, spec, prompts, sampling, reward, version=0, producer=0)
-    return policy, sampling, reward, prompts, spec, fragment
+    return tiny_fragment(NOISE_LEVEL)
 
 
 def _alone(policy, spec, prompts, sampling, i, keep=None):

@@ -5,11 +5,10 @@ import pytest
 import torch
 
 import gap
-import models
-import rewards
 import tag
 import tsp
 from rollout import SamplingConfig, generate_fragment, num_train_timesteps
+from conftest import tiny_fragment
 from trainer import TrainConfig, Trainer
 
 pytestmark = pytest.mark.timeout(120)
@@ -17,16 +16,7 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def setup(tiny_cache):
-    torch.manual_seed(0)
-    policy = models.load("flux", models.tiny_pipeline_path("flux"), "cpu", torch.float32)
-    models.enable_full_training(policy)
-    sampling = SamplingConfig(num_steps=4, noise_level=0.7)
-    reward = rewards.build_reward("color")
-    prompts = rewards.color_prompts("train")
-    spec = gap.fragment_spec(seed=0, step=0, first_group=0, num_groups=2, num_prompts_total=3, groups_per_step=2,
-                             group_size=3)
-    fragment = generate_fragment(policy, spec, prompts, sampling, reward, version=0, producer=0)
-    return policy, sampling, reward, prompts, spec, fragment
+    return tiny_fragment(0.7)
 
 
 def _grads(policy, fragment, packs, masks, total, version_shift=0):
