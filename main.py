@@ -218,7 +218,10 @@ def trainer_rank(r: Rank):
     evaluator = Evaluator(r.source.train[:n_eval], r.source.eval, r.sampling, r.reward_fn, cfg.eval_seeds,
                           run_dir.path if leader else None, metadata=r.source.train_metadata[:n_eval],
                           heldout_metadata=r.source.eval_metadata,
-                          on_images=run_dir.log_eval_media if leader else None)
+                          # TB/W&B steps are rows: the first evaluation goes with the first row, the one
+                          # after step s's update (updates = s + 1) with row s
+                          on_images=(lambda updates, *media: run_dir.log_eval_media(
+                              max(updates - 1, r.steps.start), *media)) if leader else None)
     initial_eval = {}  # the policy the run starts from: logged in the first row as eval_reward_initial, ...
     if cfg.eval_every and (leader or cfg.fsdp):  # under FSDP evaluation is a collective
         with tracer.span("eval", step=r.steps.start):

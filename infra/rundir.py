@@ -176,7 +176,7 @@ class RunDir:
         are infra/evaluation.py's."""
         if self.tb is not None:  # one image: a row per sample (videos: its frames left to right)
             strips = images if images.ndim == 4 else torch.cat(list(images.transpose(0, 1)), dim=-1)  # [B, 3, H, W*]
-            self.tb.add_image("eval", _grid(strips, 1), step, dataformats="HWC")
+            self.tb.add_image("eval", np.asarray(_grid(strips, 1, None, 1, None)), step, dataformats="HWC")
             self.tb.add_text("eval_prompts", "  \n".join(f"{i}: {p}" for i, p in enumerate(prompts)), step)
             self.tb.flush()
         if self.wandb is not None:

@@ -212,7 +212,8 @@ def write_dataset(folder, kind):
 
 
 SMALL = ["--prompts-per-step", "2", "--group-size", "2", "--num-steps", "3", "--text-len", "16", "--timeout-s", "60",
-         "--save-every", "0", "--seed", "0", "--no-trace", "--remote-protocol", "flow_grpo", "--remote-retries", "1"]
+         "--save-every", "0", "--seed", "0", "--no-trace", "--remote-protocol", "flow_grpo", "--remote-retries", "1",
+         "--eval-seeds", "1"]
 
 
 def test_geneval_style_server_with_a_metadata_dataset_wandb_and_tensorboard(tiny_cache, tmp_path, monkeypatch):
@@ -231,20 +232,24 @@ def test_geneval_style_server_with_a_metadata_dataset_wandb_and_tensorboard(tiny
                  tmp_path, tiny_cache)
     run = tmp_path / "geneval"
     rows = read_metrics(run)
-    train_calls = [(p, a) for p, a in log if p["meta_datas"][0]["tag_id"] == 7]
-    eval_calls = [(p, a) for p, a in log if p["meta_datas"][0]["tag_id"] == 9]
-    assert len(train_calls) + len(eval_calls) == len(log)  # every request carries its split's metadata rows
+    # Evaluation (before step 0 and after step 1) asks for the first 2 training prompts on a held-out noise and
+    # the first 2 test prompts; training requests hold training prompts only.
+    eval_calls = [(p, a) for p, a in log if any(m["tag_id"] == 9 for m in p["meta_datas"])]
+    train_calls = [(p, a) for p, a in log if all(m["tag_id"] == 7 for m in p["meta_datas"])]
+    assert len(train_calls) + len(eval_calls) == len(log) and len(eval_calls) == 2
     for payload, _ in log:  # the metadata of each image is its own prompt's row
         assert [m["prompt"] for m in payload["meta_datas"]] == payload["prompts"]
     assert {q for p, _ in train_calls for q in p["prompts"]} <= set(train)  # trains on train only
-    assert [q for p, _ in eval_calls for q in p["prompts"]] == test[:2]  # evaluates on the first 2 test prompts
+    assert all(p["prompts"] == train[:2] + test[:2] for p, _ in eval_calls)
     # The run's rewards are the server's scores: every trajectory's score was one answer of the server.
     server_train = [s for _, a in train_calls for s in a["scores"]]
     assert len(server_train) == 2 * 4
     logged = sum(r["reward_remote_mean"] * r["trajectories"] for r in rows)
     assert logged == pytest.approx(sum(server_train), abs=1e-4)
-    server_eval = [s for _, a in eval_calls for s in a["scores"]]
-    assert rows[1]["eval_reward"] == pytest.approx(np.mean(server_eval) + 0.5 * np.mean([0.25, 0.5]), abs=1e-5)
+    first, last = (a["scores"] for _, a in eval_calls)  # combined: server + 0.5 x the rows' weights (0.25, 0.5)
+    assert rows[0]["eval_reward_initial"] == pytest.approx(np.mean(first[:2]) + 0.5 * 0.375, abs=1e-5)
+    assert rows[1]["eval_reward"] == pytest.approx(np.mean(last[:2]) + 0.5 * 0.375, abs=1e-5)
+    assert rows[1]["eval_reward_heldout_prompts"] == pytest.approx(np.mean(last[2:]) + 0.5 * 0.375, abs=1e-5)
     assert all(r["grad_norm"] > 0 for r in rows)  # the scores differed within groups: a learning signal
     # The metadata-taking reward got each trajectory's row in generation, and its numeric info is logged.
     assert all(r[f"reward_{custom}/tag_id_mean"] == 7.0 for r in rows)
@@ -256,7 +261,7 @@ def test_geneval_style_server_with_a_metadata_dataset_wandb_and_tensorboard(tiny
     assert [h["_step"] for h in history] == [0, 1]
     assert [h["reward_mean"] for h in history] == pytest.approx([r["reward_mean"] for r in rows])
     captions = history[1]["eval_images/captions"]
-    assert len(captions) == 2 and all(c.startswith(p + " | reward ") for c, p in zip(captions, test))
+    assert len(captions) == 4 and all(c.startswith(p + " | reward ") for c, p in zip(captions, train + test))
     (config_record,) = [r for r in records if r.WhichOneof("record_type") == "run"]
     config = {u.key: json.loads(u.value_json) for u in config_record.run.config.update}
     assert config["reward"] == f"remote=1,{custom}=0.5" and config["prompt_file"] == str(tmp_path / "geneval")
@@ -275,14 +280,16 @@ def test_deqa_style_server_with_a_text_dataset(tiny_cache, tmp_path):
                   "--prompt-file", str(tmp_path / "pickscore"), "--reward", "remote", "--remote-url", url,
                   "--remote-score-key", "outputs", "--run-name", "deqa"], tmp_path, tiny_cache)
     (row,) = read_metrics(tmp_path / "deqa")
-    train_calls = [(p, a) for p, a in log if p["prompts"][0] in train]
-    eval_calls = [(p, a) for p, a in log if p["prompts"][0] in test]
+    eval_calls = [(p, a) for p, a in log if set(p["prompts"]) & set(test)]
+    train_calls = [(p, a) for p, a in log if set(p["prompts"]) <= set(train)]
     assert len(train_calls) + len(eval_calls) == len(log) and all(m == {} for p, _ in log for m in p["meta_datas"])
-    assert [q for p, _ in eval_calls for q in p["prompts"]] == test  # the whole test split (3 <= --eval-prompts)
+    # before and after the step: both training prompts, then the whole test split (3 <= --eval-prompts)
+    assert [p["prompts"] for p, _ in eval_calls] == [train + test] * 2
     server_train = [float(s) for _, a in train_calls for s in a["outputs"]]
     assert row["reward_mean"] * row["trajectories"] == pytest.approx(sum(server_train), abs=1e-4)
-    assert row["eval_reward"] == pytest.approx(np.mean([float(s) for _, a in eval_calls for s in a["outputs"]]),
-                                               abs=1e-5)
+    last = [float(s) for s in eval_calls[-1][1]["outputs"]]
+    assert row["eval_reward"] == pytest.approx(np.mean(last[:2]), abs=1e-5)
+    assert row["eval_reward_heldout_prompts"] == pytest.approx(np.mean(last[2:]), abs=1e-5)
 
 
 def test_one_update_moves_the_policy_toward_the_servers_scores(tiny_cache):
