@@ -87,6 +87,9 @@ def test_no_import_cycles():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
+OUTSIDE = "shared" + "/"  # spelled in two parts so that this file does not match itself (or a repo-wide grep)
+
+
 def test_nothing_points_outside_the_repository():
     hits = []
     for folder, dirs, files in os.walk(ROOT):
@@ -95,6 +98,6 @@ def test_nothing_points_outside_the_repository():
             if f.endswith((".py", ".md", ".sh")):
                 path = os.path.join(folder, f)
                 for number, line in enumerate(open(path, encoding="utf-8", errors="replace"), 1):
-                    if "shared/" in line and path != os.path.abspath(__file__):
+                    if OUTSIDE in line:
                         hits.append(f"{os.path.relpath(path, ROOT)}:{number}")
     assert not hits, hits

@@ -24,7 +24,8 @@ pytestmark = pytest.mark.timeout(900)
 SEED = os.environ.get("DIGENRL_TEST_SEED", "3")
 
 COMMON = ["--steps", "1", "--prompts-per-step", "4", "--group-size", "2", "--num-steps", "3", "--eval-every", "0",
-          "--save-every", "1", "--seed", SEED, "--timeout-s", "60", "--optimizer", "sgd", "--lr", "1", "--no-trace"]
+          "--save-every", "1", "--seed", SEED, "--timeout-s", "60", "--optimizer", "sgd", "--lr", "1", "--no-trace",
+          "--noise-level", "0.7"]  # test_truth.NOISE_LEVEL, which the outside-truth test below writes out
 DISAGG = ["--placement", "disaggregated", "--gap"]
 CASES = {  # name -> flags; --fragment-groups 1, 2 and 4 cut the same batch of 4 groups into 4, 2 and 1 fragments
     "one_process": ["--mode", "colocated", "--nproc", "1", "--fragment-groups", "1"],
