@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
-import json
 import os
 import sys
 import time
@@ -195,11 +194,12 @@ def trainer_rank(r: Rank):
     from infra import rundir
     from infra.evaluation import Evaluator
     from rollout import num_train_timesteps
-    from trainer import TrainConfig, Trainer, run_colocated_rank, run_trainer_rank, train_fragment
+    from trainer import (TrainConfig, Trainer, run_colocated_rank, run_trainer_rank, shard_for_fsdp,
+                         train_fragment)
 
     cfg, groups, policy, queue, tracer = r.cfg, r.groups, r.policy, r.queue, r.tracer
     if cfg.fsdp:
-        _shard(policy, groups, keep_reference=cfg.beta > 0 and not cfg.lora)
+        shard_for_fsdp(policy, groups.compute, keep_reference=cfg.beta > 0 and not cfg.lora)
     trainer = Trainer(policy, TrainConfig(cfg.lr, cfg.weight_decay, 1e-8, cfg.clip_range, cfg.max_grad_norm, cfg.beta,
                                           cfg.noise_level, cfg.algo, cfg.max_bad_steps, cfg.optimizer),
                       compute_group=groups.compute, data_group=groups.trainer_data, sharded=cfg.fsdp)
@@ -212,7 +212,8 @@ def trainer_rank(r: Rank):
         del state
     k, me, leader = groups.num_trainers, groups.trainer_index, groups.is_leader
     total_pairs = cfg.prompts_per_step * cfg.group_size * num_train_timesteps(r.sampling)
-    run_dir = _run_dir(cfg, r.steps) if leader else None
+    fragments_per_step = gap.num_fragments(cfg.prompts_per_step, cfg.fragment_groups)
+    run_dir = rundir.open_run_dir(cfg, r.steps) if leader else None
     bar = _progress_bar(cfg, r.steps) if leader and cfg.progress else None
     n_eval = cfg.eval_prompts or len(r.source.train)  # training prompts on held-out noises, then held-out prompts
     evaluator = Evaluator(r.source.train[:n_eval], r.source.eval, r.sampling, r.reward_fn, cfg.eval_seeds,
@@ -257,8 +258,7 @@ def trainer_rank(r: Rank):
 
     def fragments_of(step: int):
         if not cfg.tsp:  # GAP without TSP: whole fragments dealt round-robin to the trainers
-            return gap.dealt_fragments(queue, step, cfg.prompts_per_step // cfg.fragment_groups, me, k,
-                                       lambda a: receive(step, a))
+            return gap.dealt_fragments(queue, step, fragments_per_step, me, k, lambda a: receive(step, a))
         poll = lambda seq: queue.poll(step, seq) is not None  # noqa: E731
         if assistant:
             decide = assistant.next_command(step, poll, tsp.TRAIN, tsp.GENERATE)
@@ -326,7 +326,7 @@ def trainer_rank(r: Rank):
             if leader:
                 metrics.update(initial_eval)
                 initial_eval.clear()
-                _leader_records(cfg, run_dir, policy, step, metrics, state, tracer)
+                rundir.record_step(run_dir, cfg, policy, step, metrics, state, tracer)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", tag=int(metrics["tag_fragments"]),
@@ -341,11 +341,10 @@ def trainer_rank(r: Rank):
         last["t"] = time.perf_counter()  # step_time_s excludes evaluation and checkpointing
 
     if groups.role == "colocated":
-        fragments = cfg.prompts_per_step // cfg.fragment_groups
         run_colocated_rank(
             trainer, steps=r.steps,
             my_claims=lambda step: [(i * cfg.fragment_groups, cfg.fragment_groups)
-                                    for i in range(r.rank, fragments, r.world)],  # a static share
+                                    for i in range(r.rank, fragments_per_step, r.world)],  # a static share
             generate=lambda step, first, count, version: r.generate(step, first, count, version, r.rank),
             train=train, optimizer_step=optimizer_step, end_step=end_step)
     else:
@@ -357,34 +356,6 @@ def trainer_rank(r: Rank):
     if bar is not None:
         bar.close()
     return run_dir
-
-
-def _run_dir(cfg, steps):
-    from infra import rundir
-
-    run_path = cfg.resume or os.path.join(cfg.out_dir, cfg.run_name or config_lib.default_run_name(cfg))
-    wandb = dict(project=cfg.wandb_project, name=cfg.wandb_name, config=dataclasses.asdict(cfg)) if cfg.wandb else None
-    run_dir = rundir.RunDir(run_path, config_lib.to_json(cfg), cfg.tensorboard, cfg.keep_checkpoints, wandb)
-    if cfg.resume:
-        run_dir.truncate_metrics(steps.start)
-    print(f"[digenrl] run dir {run_path}\n[digenrl] config {json.dumps(dataclasses.asdict(cfg), sort_keys=True)}",
-          flush=True)
-    return run_dir
-
-
-def _leader_records(cfg, run_dir, policy, step, metrics, state, tracer) -> None:
-    import models
-    from infra import rundir
-
-    run_dir.log(step, metrics)
-    if state is not None:
-        with tracer.span("checkpoint", step=step):
-            state.update(step=step + 1, rng=rundir.rng_state(), identity=rundir.identity(cfg),
-                         config=dataclasses.asdict(cfg))
-            lora = models.lora_state_for_diffusers(policy.transformer, state["weights"]) if cfg.lora else None
-            meta = models.lora_metadata(policy.transformer) if cfg.lora else None  # alpha, rank, targets
-            run_dir.save_checkpoint(step + 1, state, lora, policy.family.pipeline_class(), meta)
-        run_dir.plot_rewards()
 
 
 def _name_process(name: str) -> None:
@@ -399,29 +370,6 @@ def _name_process(name: str) -> None:
 def _progress_bar(cfg, steps):
     from tqdm import tqdm
     return tqdm(total=cfg.steps, initial=steps.start, desc=f"{cfg.model} {cfg.mode}", dynamic_ncols=True)
-
-
-def _shard(policy, groups, keep_reference: bool) -> None:
-    """FSDP2 over the trainers' compute group: each transformer block is a unit (gathered only while it
-    runs), then the root."""
-    import torch
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    if keep_reference:  # full fine-tuning with KL: the reference is the initial weights, copied before sharding
-        policy.freeze_reference()
-    mesh = DeviceMesh.from_group(groups.compute, policy.device.type)
-    # bf16 base + fp32 LoRA: gather and compute in the policy dtype, reduce gradients in fp32.
-    mp = MixedPrecisionPolicy(param_dtype=policy.dtype, reduce_dtype=torch.float32)
-    for name, module in policy.transformer.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and name.endswith("blocks"):
-            for block in module:
-                fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(policy.transformer, mesh=mesh, mp_policy=mp)
-    for module in policy.transformer.modules():
-        if hasattr(module, "set_gradient_divide_factor"):
-            module.set_gradient_divide_factor(1.0)  # sum, not mean: pairs already carry 1/(N T_train)
-            module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives: gloo has no PREMUL_SUM
 
 
 # --- launching ---------------------------------------------------------------------------------

@@ -333,3 +333,25 @@ def run_colocated_rank(trainer: Trainer, *, steps: range, my_claims: Callable[[i
         for fragment in fragments:
             train(fragment)
         end_step(step, optimizer_step(step))
+
+
+def shard_for_fsdp(policy, compute_group, keep_reference: bool) -> None:
+    """FSDP2 over the trainers' compute group: each transformer block is a unit (gathered only while it
+    runs), then the root."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    if keep_reference:  # full fine-tuning with KL: the reference is the initial weights, copied before sharding
+        policy.freeze_reference()
+    mesh = DeviceMesh.from_group(compute_group, policy.device.type)
+    # bf16 base + fp32 LoRA: gather and compute in the policy dtype, reduce gradients in fp32.
+    mp = MixedPrecisionPolicy(param_dtype=policy.dtype, reduce_dtype=torch.float32)
+    for name, module in policy.transformer.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and name.endswith("blocks"):
+            for block in module:
+                fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(policy.transformer, mesh=mesh, mp_policy=mp)
+    for module in policy.transformer.modules():
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(1.0)  # sum, not mean: pairs already carry 1/(N T_train)
+            module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives: gloo has no PREMUL_SUM

@@ -14,6 +14,7 @@ Every file is written atomically (temporary name, flush, fsync, rename): a crash
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -345,3 +346,34 @@ def plot_reward_curves(runs: dict[str, list[dict]], path: str, eval_too: bool = 
     legend = [text.get_text() for text in ax.get_legend().get_texts()]
     plt.close(fig)
     return legend
+
+
+def open_run_dir(cfg, steps) -> RunDir:
+    """The leader's run directory for Config `cfg` (resumed: drop the rows of steps to be redone); prints its
+    path and the resolved config."""
+    import config as config_lib
+
+    run_path = cfg.resume or os.path.join(cfg.out_dir, cfg.run_name or config_lib.default_run_name(cfg))
+    wandb = dict(project=cfg.wandb_project, name=cfg.wandb_name, config=dataclasses.asdict(cfg)) if cfg.wandb else None
+    run_dir = RunDir(run_path, config_lib.to_json(cfg), cfg.tensorboard, cfg.keep_checkpoints, wandb)
+    if cfg.resume:
+        run_dir.truncate_metrics(steps.start)
+    print(f"[digenrl] run dir {run_path}\n[digenrl] config {json.dumps(dataclasses.asdict(cfg), sort_keys=True)}",
+          flush=True)
+    return run_dir
+
+
+def record_step(run_dir: RunDir, cfg, policy, step: int, metrics: dict, state: dict | None, tracer) -> None:
+    """The leader's end of a step: the metrics row; with `state` (Trainer.checkpoint_state), a checkpoint (and the
+    LoRA file diffusers loads) and the reward curve."""
+    import models
+
+    run_dir.log(step, metrics)
+    if state is not None:
+        with tracer.span("checkpoint", step=step):
+            state.update(step=step + 1, rng=rng_state(), identity=identity(cfg),
+                         config=dataclasses.asdict(cfg))
+            lora = models.lora_state_for_diffusers(policy.transformer, state["weights"]) if cfg.lora else None
+            meta = models.lora_metadata(policy.transformer) if cfg.lora else None  # alpha, rank, targets
+            run_dir.save_checkpoint(step + 1, state, lora, policy.family.pipeline_class(), meta)
+        run_dir.plot_rewards()

@@ -105,3 +105,14 @@ class Family:
     def decode(self, pipe, latents, height: int, width: int, frames: int) -> torch.Tensor:
         """Latents -> images [B, 3, H, W] (video: [B, F, 3, H, W]) float32 in [0, 1]."""
         raise NotImplementedError
+
+    # --- pre-training hooks (models/pretrain.py) ---------------------------------------------
+    def images_to_vae(self, images: torch.Tensor) -> torch.Tensor:
+        """Pixels in [0, 1] -> the VAE's input in [-1, 1]: images stay [B, 3, H, W]; videos [B, F, 3, H, W] become
+        the video VAEs' [B, 3, F, H, W]."""
+        x = images * 2 - 1
+        return x.permute(0, 2, 1, 3, 4) if self.is_video else x
+
+    def vae_to_images(self, decoded: torch.Tensor) -> torch.Tensor:
+        """The VAE's output layout -> the images' ([B, 3, F, H, W] -> [B, F, 3, H, W] for videos)."""
+        return decoded.permute(0, 2, 1, 3, 4) if self.is_video else decoded

@@ -96,12 +96,6 @@ class FluxFamily(Family):
         """(latent channels, pixels per latent pixel, colour sub-grid) of pretrain.latent_target."""
         return pipe.vae.config.latent_channels, pipe.vae_scale_factor, 1
 
-    def images_to_vae(self, images):
-        return images * 2 - 1  # [B, 3, H, W] in [-1, 1]
-
-    def vae_to_images(self, decoded):
-        return decoded  # [B, 3, H, W]
-
     def denormalise(self, pipe, latents):
         """Normalised latents [B, C, h, w] -> what the VAE decodes (as FluxPipeline does before vae.decode)."""
         return latents / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor

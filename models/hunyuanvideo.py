@@ -105,12 +105,6 @@ class HunyuanVideoFamily(Family):
         """(latent channels, pixels per latent pixel, colour sub-grid) of pretrain.latent_target."""
         return pipe.vae.config.latent_channels, pipe.vae_scale_factor_spatial, 1
 
-    def images_to_vae(self, videos):
-        return rearrange(videos * 2 - 1, "b f c h w -> b c f h w")  # [B, 3, F, H, W] in [-1, 1]
-
-    def vae_to_images(self, decoded):
-        return rearrange(decoded, "b c f h w -> b f c h w")  # [B, F, 3, H, W]
-
     def denormalise(self, pipe, latents):
         return latents / pipe.vae.config.scaling_factor  # as HunyuanVideoPipeline before vae.decode
 

@@ -1,13 +1,12 @@
 """Publishing and checkpointing under FSDP with full fine-tuning hold at most one whole tensor beyond the
 shards on ranks that do not write, and the leader publishes one tensor at a time (issue: every trainer used to gather all weights and Adam state at once).
 
-Two gloo processes shard the tiny FLUX transformer with main._shard (the real FSDP2 path); every whole
-tensor that DTensor.full_tensor returns is tracked with a weak reference, and the most whole-tensor bytes
+Two gloo processes shard the tiny FLUX transformer with trainer.shard_for_fsdp (the real FSDP2 path); every
+whole tensor that DTensor.full_tensor returns is tracked with a weak reference, and the most whole-tensor bytes
 alive at once are compared with the largest single tensor.
 """
 import collections
 import datetime
-import types
 
 import pytest
 import torch
@@ -25,16 +24,15 @@ def _worker(rank, port, cache, results):
 
     os.environ["DIGENRL_CACHE"] = cache
     import async_policy
-    import main
     import models
-    from trainer import TrainConfig, Trainer
+    from trainer import TrainConfig, Trainer, shard_for_fsdp
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=datetime.timedelta(seconds=60))
     policy = models.load("flux", models.tiny_pipeline_path("flux"), "cpu", torch.float32)
     models.enable_full_training(policy)
-    main._shard(policy, types.SimpleNamespace(compute=dist.group.WORLD), keep_reference=False)
+    shard_for_fsdp(policy, dist.group.WORLD, keep_reference=False)
     trainer = Trainer(policy, TrainConfig(), compute_group=dist.group.WORLD, data_group=dist.group.WORLD, sharded=True)
     for p in trainer.params:  # an optimizer step creates the Adam state (sharded like the weights)
         p.grad = torch.zeros_like(p)
