@@ -3,8 +3,10 @@
 Paper: DigenRL, "tightly one-step constrained asynchronous strategy" (docs/DESIGN.md section 5).
 Weights version k is the policy after k optimizer steps; batch k should be generated with version k.
 After each optimizer step the trainer leader publishes the trainable weights (LoRA only when LoRA is
-on) with their version to every rollout rank, one tensor at a time, in the rollout's dtype, over a
-gloo group with CPU tensors. A rollout rank receives them in a background thread (the `Mailbox`) and
+on) with their version to every rollout rank, in the rollout's dtype, over a gloo group with CPU
+tensors: consecutive tensors are packed into flat buckets of at most PUBLISH_BUCKET_BYTES (one
+broadcast each: a model of many small tensors costs one round trip, not one per tensor), a larger
+tensor goes alone, so the sender never holds more than a bucket plus one whole tensor. A rollout rank receives them in a background thread (the `Mailbox`) and
 swaps them into its model only between fragments. With async on, once every group of batch k is
 claimed and version k+1 has not arrived yet (the trainer is still on batch k's tail),
 `generate_ahead` lets rollout ranks generate up to j fragments of batch k+1 with version k.
@@ -42,21 +44,44 @@ def check_staleness(trainer_version: int, fragment_version: int, async_on: bool)
     return staleness
 
 
+PUBLISH_BUCKET_BYTES = 32 << 20  # both ends cut the stream into the same buckets (fits_bucket)
+
+
+def fits_bucket(bucket: list[tuple[int, torch.dtype]], nbytes: int, dtype: torch.dtype, limit: int) -> bool:
+    """Whether a tensor of `nbytes` bytes in `dtype` joins the open bucket (same dtype, total <= limit)."""
+    return bool(bucket) and bucket[0][1] == dtype and sum(b for b, _ in bucket) + nbytes <= limit
+
+
 def publish(tensors: Iterable[torch.Tensor], count: int, version: int, src: int, group,
-            dtypes: list[torch.dtype] | None = None) -> None:
-    """Trainer leader: broadcast (version, count) then the `count` tensors one at a time, as CPU tensors in
-    `dtypes` (the rollout's parameter dtypes). `tensors` may gather each one just in time (FSDP), so no
-    more than one whole tensor is ever held here."""
+            dtypes: list[torch.dtype] | None = None, bucket_bytes: int = PUBLISH_BUCKET_BYTES) -> None:
+    """Trainer leader: broadcast (version, count) then the `count` tensors as CPU tensors in `dtypes` (the
+    rollout's parameter dtypes), packed into buckets. `tensors` may gather each one just in time (FSDP), so
+    at most one bucket, its flat copy and one whole tensor are held here at once."""
     dist.broadcast(torch.tensor([version, count], dtype=torch.int64), src=src, group=group)
     if version == STOP:
         return
+    bucket: list[torch.Tensor] = []
+    plan: list[tuple[int, torch.dtype]] = []  # (bytes, dtype) of the bucket's tensors: what fits_bucket reads
+
+    def flush() -> None:
+        flat = bucket[0].reshape(-1) if len(bucket) == 1 else torch.cat([b.reshape(-1) for b in bucket])
+        bucket.clear()
+        plan.clear()
+        dist.broadcast(flat, src=src, group=group)  # [bucket numel] in the bucket's dtype
+
     sent = 0
     for t in tensors:  # (not enumerate: its reused result tuple would keep the last tensor alive)
         wire = t.detach().to("cpu", dtypes[sent] if dtypes is not None else t.dtype).contiguous()
         del t  # let a just-in-time gathered tensor go before the next one is gathered
-        dist.broadcast(wire, src=src, group=group)
+        nbytes = wire.numel() * wire.element_size()
+        if bucket and not fits_bucket(plan, nbytes, wire.dtype, bucket_bytes):
+            flush()
+        bucket.append(wire)
+        plan.append((nbytes, wire.dtype))
         del wire
         sent += 1
+    if bucket:
+        flush()
     if sent != count:
         raise RuntimeError(f"published {sent} tensors, announced {count}")
 
@@ -65,8 +90,8 @@ class Mailbox:
     """Rollout rank: a background thread receives published weights into CPU buffers; the main thread
     swaps them into the model between fragments. Waits have no deadline: liveness ends a dead job."""
 
-    def __init__(self, src: int, group, like: list[torch.Tensor]):
-        self.src, self.group = src, group
+    def __init__(self, src: int, group, like: list[torch.Tensor], bucket_bytes: int = PUBLISH_BUCKET_BYTES):
+        self.src, self.group, self.bucket_bytes = src, group, bucket_bytes
         self.shapes = [(p.shape, p.dtype) for p in like]
         self._cond = threading.Condition()
         self._latest: tuple[int, list[torch.Tensor] | None] | None = None  # (version, buffers; None once swapped)
@@ -85,10 +110,7 @@ class Mailbox:
                     break
                 if count != len(self.shapes):
                     raise RuntimeError(f"published weights have {count} tensors, this model has {len(self.shapes)}")
-                buffers = []
-                for shape, dtype in self.shapes:
-                    buffers.append(torch.empty(shape, dtype=dtype))
-                    dist.broadcast(buffers[-1], src=self.src, group=self.group)
+                buffers = self._receive_buckets()
                 with self._cond:
                     self._latest = (version, buffers)
                     self._cond.notify_all()
@@ -96,6 +118,29 @@ class Mailbox:
             self.error = exc
         with self._cond:
             self._cond.notify_all()
+
+    def _receive_buckets(self) -> list[torch.Tensor]:
+        """The publisher's buckets, cut the same way (fits_bucket); returns one view per weight."""
+        buffers: list[torch.Tensor] = []
+        bucket: list[tuple[int, torch.dtype]] = []
+
+        def take() -> None:
+            flat = torch.empty(sum(b for b, _ in bucket) // bucket[0][1].itemsize, dtype=bucket[0][1])
+            dist.broadcast(flat, src=self.src, group=self.group)
+            offset = 0
+            for shape, _ in self.shapes[len(buffers):len(buffers) + len(bucket)]:
+                buffers.append(flat[offset:offset + shape.numel()].view(shape))
+                offset += shape.numel()
+            bucket.clear()
+
+        for shape, dtype in self.shapes:
+            nbytes = shape.numel() * dtype.itemsize
+            if bucket and not fits_bucket(bucket, nbytes, dtype, self.bucket_bytes):
+                take()
+            bucket.append((nbytes, dtype))
+        if bucket:
+            take()
+        return buffers
 
     def _raise_if_failed(self) -> None:
         if self.error is not None:

@@ -298,7 +298,8 @@ def train_fragment(trainer: Trainer, fragment: gap.Fragment, *, pairs_of: Callab
     packs, masks = pairs_of(*fragment.latents.shape[:2])
     start = time.perf_counter()
     pairs = sum(int(sum(mask)) for mask in masks)  # real pairs (TSP padding excluded)
-    with tracer.span("train", step=fragment.step, first_group=fragment.first_group, pairs=pairs):
+    slots = sum(len(mask) for mask in masks)  # what the passes cost: padding included
+    with tracer.span("train", step=fragment.step, first_group=fragment.first_group, pairs=pairs, slots=slots):
         with emulate.paced(speed):  # --rank-speed: the benchmark's emulation of a slower rank
             trainer.accumulate(fragment.to(trainer.policy.device), packs, masks, total_pairs)
     if on_trained is not None:

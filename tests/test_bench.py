@@ -147,6 +147,37 @@ def test_efficiency_by_hand(tmp_path):
     assert cheaper == pytest.approx(0.8 / 3.9)
 
 
+def test_per_op_costs_for_the_simulator_by_hand():
+    """forward_table: the level from the traced m-sample span, the batch shape from the one-thread timings
+    (decode + reward taken out of both); b_span: training seconds per pair slot, a TAG share's smaller
+    spans priced by their own slots (a whole-fragment divisor would halve their price)."""
+    from tools import bench_analysis as ba
+    w = {"nproc": 2, "rollout_ranks": 1, "m": 8, "N": 16, "T": 5, "train_steps": 3, "steps": 3, "tsp_pack": 4}
+    inproc = {"decode_reward_s": 0.008, "generate_s": {4: 0.05, 8: 0.07}}  # 1 ms decode + reward per sample
+    table = ba.forward_table(0.088, w, inproc)
+    level = (0.088 - 0.008) / 40
+    assert table[8] == pytest.approx(level)
+    assert table[4] == pytest.approx(level * ((0.05 - 0.004) / 20) / ((0.07 - 0.008) / 40))
+    spans = []
+    for step in range(3):
+        t = step * 1.0
+        spans += [_span(0, "rollout", "generate", t, t + 0.2, step=step, samples=8),
+                  _span(0, "rollout", "generate", t + 0.2, t + 0.35, step=step, samples=4),  # after a TAG share
+                  _span(1, "trainer", "tag", t, t + 0.15, step=step, samples=4),
+                  _span(1, "trainer", "train", t + 0.2, t + 0.3, step=step, pairs=12, slots=12),
+                  _span(1, "trainer", "train", t + 0.4, t + 0.6, step=step, pairs=24, slots=24),
+                  _span(1, "trainer", "optimizer", t + 0.85, t + 0.9, step=step),
+                  _span(1, "trainer", tr.STEP_MARK_KIND, t + 0.95, t + 0.95, step=step)]
+    run = {"spans": spans, "metrics": [{"step": k, "step_time_s": 1.0} for k in range(3)], "wall_s": 1}
+    row = ba.analyse("gap+tsp+tag", run, w)
+    assert row["op"]["b_span"] == pytest.approx(0.3 / 36)  # steps 1 and 2: 2 x 0.3 s over 2 x 36 slots
+    assert row["op"]["generate_fragment_s"] == pytest.approx(0.2)  # m-sample spans only
+    pooled = simulate.Costs(forward_s={8: 1.0}, train_s={4: 1.0}, publish_s=0.5)
+    own = ba.mode_costs(pooled, row, w, inproc)
+    assert own.train_s == {4: pytest.approx(0.3 / 36)} and own.publish_s == 0.5
+    assert own.forward_s == pytest.approx(ba.forward_table(0.2, w, inproc))
+
+
 def test_rank_speed_parsing_and_pacing(monkeypatch):
     from infra import emulate
     assert emulate.parse_rank_speed("0=0.5, 2=0.25") == {0: 0.5, 2: 0.25}

@@ -53,15 +53,19 @@ def _worker(rank, world, port, results):
         claimed.append(claim[0])
     # TCSS weights: rank 2 publishes two versions (fp32 -> the rollout's bf16 for the second tensor), ranks 0
     # and 1 receive them in their mailbox threads and swap them into their (zero) parameters.
-    published = {v: [torch.arange(3.0) * v, torch.full((2, 2), 0.5 * v)] for v in (1, 2)}
+    # A 20-byte bucket limit cuts the stream into buckets at the dtype change, at the limit, and sends the
+    # 40-byte tensor alone (the publish side and the mailbox side must cut it the same way).
+    published = {v: [torch.arange(3.0) * v, torch.full((2, 2), 0.5 * v), torch.full((10,), -v),
+                     torch.tensor(v + 0.25)] for v in (1, 2)}
     if rank == 2:
         for version in (1, 2):
-            async_policy.publish(iter(published[version]), 2, version, src=2, group=dist.group.WORLD,
-                                 dtypes=[torch.float32, torch.bfloat16])
+            async_policy.publish(iter(published[version]), 4, version, src=2, group=dist.group.WORLD,
+                                 dtypes=[torch.float32, torch.bfloat16, torch.float32, torch.float32],
+                                 bucket_bytes=20)
         async_policy.publish([], 0, async_policy.STOP, src=2, group=dist.group.WORLD)
     else:
-        params = [torch.zeros(3), torch.zeros(2, 2, dtype=torch.bfloat16)]
-        mailbox = async_policy.Mailbox(src=2, group=dist.group.WORLD, like=params)
+        params = [torch.zeros(3), torch.zeros(2, 2, dtype=torch.bfloat16), torch.zeros(10), torch.zeros(())]
+        mailbox = async_policy.Mailbox(src=2, group=dist.group.WORLD, like=params, bucket_bytes=20)
         mailbox.wait_for(2)
         assert mailbox.swap_into(params) == 2 == mailbox.held_version
         mailbox.join()
@@ -90,6 +94,30 @@ def test_round_trip_broadcast_unique_claims_and_published_weights():
     claims = [results.get() for _ in range(3)]
     every = sorted(i for _, c in claims for i in c)
     assert every == list(range(25))  # each fragment claimed exactly once across the three claimers
+
+
+def test_publish_packs_small_tensors_into_buckets_and_the_mailbox_cuts_them_the_same_way(monkeypatch):
+    """One broadcast per bucket, not per tensor (a 66-tensor model paid 66 round trips per publish), and
+    the receiving side's views hold exactly the published values."""
+    sent = []
+    monkeypatch.setattr(async_policy.dist, "broadcast", lambda t, src, group: sent.append(t.clone()))
+    weights = [torch.full((2,), 1.0), torch.full((3,), 2.0), torch.full((2,), 3.0, dtype=torch.bfloat16),
+               torch.full((9,), 4.0), torch.full((1,), 5.0), torch.full((1,), 6.0)]
+    async_policy.publish(iter(weights), 6, 3, src=0, group=None, bucket_bytes=24)
+    assert [t.tolist() for t in sent[:1]] == [[3, 6]]  # the header: version, count
+    assert [(t.dtype, t.numel()) for t in sent[1:]] == [
+        (torch.float32, 5),  # 8 + 12 bytes fit in 24
+        (torch.bfloat16, 2),  # a dtype change opens a bucket
+        (torch.float32, 9),  # 36 bytes > 24: alone
+        (torch.float32, 2)]  # the last two
+    received = iter(sent[1:])
+    monkeypatch.setattr(async_policy.dist, "broadcast", lambda t, src, group: t.copy_(next(received)))
+    mailbox = async_policy.Mailbox.__new__(async_policy.Mailbox)  # no thread: only the cutting is under test
+    mailbox.src, mailbox.group, mailbox.bucket_bytes = 0, None, 24
+    mailbox.shapes = [(w.shape, w.dtype) for w in weights]
+    got = mailbox._receive_buckets()
+    assert [(g.shape, g.dtype) for g in got] == mailbox.shapes
+    assert all(torch.equal(g, w) for g, w in zip(got, weights))
 
 
 def test_fragment_specs_are_deterministic_and_whole_groups():

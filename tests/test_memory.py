@@ -1,5 +1,5 @@
 """Publishing and checkpointing under FSDP with full fine-tuning hold at most one whole tensor beyond the
-shards on ranks that do not write, and the leader publishes one tensor at a time (issue: every trainer used to gather all weights and Adam state at once).
+shards on ranks that do not write, and the leader gathers one tensor at a time for publishing (it then sends buckets of at most async_policy.PUBLISH_BUCKET_BYTES) (issue: every trainer used to gather all weights and Adam state at once).
 
 Two gloo processes shard the tiny FLUX transformer with trainer.shard_for_fsdp (the real FSDP2 path); every
 whole tensor that DTensor.full_tensor returns is tracked with a weak reference, and the most whole-tensor bytes
@@ -86,5 +86,5 @@ def test_non_leaders_hold_one_whole_tensor_at_a_time(tiny_cache):
           f"at once: publish {publish_peak} B, checkpoint {checkpoint_peak} B")
     assert kept_nothing and 0 < publish_peak <= largest and 0 < checkpoint_peak <= largest
     leader_publish_peak, _, _, _, leader_kept_nothing = rows[0]
-    assert 0 < leader_publish_peak <= largest  # the leader too publishes one tensor at a time
+    assert 0 < leader_publish_peak <= largest  # the leader too gathers one tensor at a time
     assert not leader_kept_nothing  # the leader, which writes the file, kept the state

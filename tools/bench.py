@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as `python tools/X.py`: make the project ro
 from infra import emulate  # noqa: E402
 from tools import gpu_check, simulate  # noqa: E402
 from tools.bench_analysis import (_median, analyse, cheapest_costs, efficiency,  # noqa: E402
-                                  load_spans, measured_costs)
+                                  load_spans, measured_costs, mode_costs)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Tuned on this 2-core machine (with simulate.py): fragments of 2 groups (M = 2) amortise the ~14 ms
@@ -72,26 +72,42 @@ def run_mode(mode: str, args, out: str, extra: tuple = ()) -> dict:
             "wall_s": time.perf_counter() - start}
 
 
-def decode_reward_s(args, samples: int) -> float:
-    """Decode + reward of one fragment, timed here with one thread (the trace folds both into
-    "generate"). Measured in float32 (bench runs on CUDA would use bfloat16: then a rough figure)."""
+def inprocess_costs(args, w: dict) -> dict:
+    """Timed here, one thread, the other core idle: decode + reward of one fragment (the trace folds both
+    into "generate"), and generating one group vs one fragment through rollout.generate_fragment. On a CPU
+    a forward's fixed per-call cost dominates, so one group costs far more than half a 2-group fragment;
+    the simulator needs that shape for TAG's group-sized shares. Measured in float32 (bench runs on
+    CUDA would use bfloat16: then rough figures)."""
     import torch
 
     import config as config_lib
+    import gap
     import models
     import rewards
+    import rollout
     torch.set_num_threads(1)
     cfg = config_lib.Config(model=args.model)
     policy = models.load(args.model, models.tiny_pipeline_path(args.model), args.device, torch.float32)
     reward_fn = rewards.build_reward(cfg.reward, config_lib.reward_options(cfg))
-    latents = torch.stack([policy.noise(torch.Generator().manual_seed(i)) for i in range(samples)])
-    prompts = (rewards.color_prompts("train") * samples)[:samples]
-    times = []
-    for _ in range(7):
-        start = time.perf_counter()
-        reward_fn(policy.decode(latents), prompts)
-        times.append(time.perf_counter() - start)
-    return _median(times[2:])
+    m = w["m"]
+    latents = torch.stack([policy.noise(torch.Generator().manual_seed(i)) for i in range(m)])
+    prompts = (rewards.color_prompts("train") * m)[:m]
+    sampling = rollout.SamplingConfig(args.num_steps, 0.5, args.timestep_fraction, "flow_grpo", 5.0)
+
+    def timed(op, repeats=7) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            op()
+            times.append(time.perf_counter() - start)
+        return _median(times[2:])
+
+    gen_s = {}
+    for groups in sorted({1, args.fragment_groups}):
+        spec = gap.fragment_spec(args.seed, 1, 0, groups, len(prompts), args.prompts_per_step, args.group_size)
+        gen_s[groups * args.group_size] = timed(
+            lambda: rollout.generate_fragment(policy, spec, prompts, sampling, reward_fn, 0, 0), 5)
+    return {"decode_reward_s": timed(lambda: reward_fn(policy.decode(latents), prompts)), "generate_s": gen_s}
 
 
 def print_table(rows: list[dict], baselines: dict) -> None:
@@ -138,36 +154,43 @@ def sim_setup(args, w: dict, rank_speed: dict | None = None):
     return workload, cluster
 
 
-def validate(rows: list[dict], w: dict, args) -> simulate.Costs:
+def validate(rows: list[dict], w: dict, args) -> tuple[simulate.Costs, dict]:
     """simulate.py's step time from this run's per-op costs beside the measured one; writes costs.json."""
-    dec_rew = decode_reward_s(args, w["m"])
-    costs = measured_costs(rows, w, dec_rew)
+    inproc = inprocess_costs(args, w)
+    costs = measured_costs(rows, w, inproc)
     workload, cluster = sim_setup(args, w)
     path = os.path.join(args.out, "costs.json")
     with open(path, "w") as fh:
         json.dump({"costs": costs.__dict__, "workload": workload.__dict__, "cluster": cluster.__dict__},
                   fh, indent=1)
-    named = [("f", costs.forward_s[w["m"]]), *[(f"b@{k}", v) for k, v in costs.train_s.items()],
-             ("decode+reward/fragment", dec_rew), ("recv/fragment", costs.transfer_s),
+    named = [*[(f"f@{k}", v) for k, v in sorted(costs.forward_s.items())],
+             *[(f"b@{k}", v) for k, v in costs.train_s.items()],
+             ("decode+reward/fragment", inproc["decode_reward_s"]), ("recv/fragment", costs.transfer_s),
              ("publish", costs.publish_s), ("optimizer", costs.optimizer_s),
              ("all-reduce (colocated)", costs.allreduce_s), ("step overhead", costs.step_overhead_s),
              ("weights in -> generating", costs.weights_latency_s)]
     print(f"\n[validate] per-op costs (median over the modes of each mode's mean; {path}):")
     print("  " + ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in named))
-    compare(rows, costs, workload, cluster)
-    return costs
+    print("  generating one group vs one fragment, one thread, nothing else running: "
+          + ", ".join(f"{b} samples {s * 1e3:.1f} ms" for b, s in sorted(inproc["generate_s"].items())))
+    own = {r["mode"]: mode_costs(costs, r, w, inproc) for r in rows}
+    compare(rows, costs, own, workload, cluster)
+    return costs, own
 
 
-def compare(rows, costs, workload, cluster) -> None:
-    print(f"  {'mode':<12} {'measured':>9} {'simulated':>9} {'error':>7}")
+def compare(rows, pooled, own, workload, cluster) -> None:
+    """Simulated step time per mode, from the mode's own op costs (the error column) and from the pooled ones."""
+    print(f"  {'mode':<12} {'measured':>9} {'sim (own)':>9} {'error':>7} {'sim (pooled)':>12} {'error':>7}")
     for r in rows:
-        sim = simulate.simulate(r["mode"], costs, cluster, workload)
+        sim = simulate.simulate(r["mode"], own[r["mode"]], cluster, workload)
+        pool = simulate.simulate(r["mode"], pooled, cluster, workload)
         r["simulated_step_s"], r["simulation_error"] = sim.step_s, sim.step_s / r["step_s"] - 1
+        r["simulated_pooled_step_s"] = pool.step_s
         print(f"  {r['mode']:<12} {r['step_s'] * 1e3:7.0f}ms {sim.step_s * 1e3:7.0f}ms "
-              f"{r['simulation_error']:+7.1%}")
+              f"{r['simulation_error']:+7.1%} {pool.step_s * 1e3:10.0f}ms {pool.step_s / r['step_s'] - 1:+7.1%}")
 
 
-def hetero(args, w: dict, costs: simulate.Costs) -> list[dict]:
+def hetero(args, w: dict, costs: simulate.Costs, own: dict) -> list[dict]:
     """The --hetero case: modes rerun with slowed ranks, next to simulate.py's prediction from the
     homogeneous run's costs (nothing of the slowed runs feeds the prediction)."""
     speeds = emulate.check_rank_speed(args.hetero, args.nproc)
@@ -178,8 +201,8 @@ def hetero(args, w: dict, costs: simulate.Costs) -> list[dict]:
         rows.append(analyse(mode, run_mode(mode, args, out, ("--rank-speed", args.hetero)), w))
     workload, cluster = sim_setup(args, w, speeds)
     print(f"\n[hetero] rank speeds {speeds} (emulated: infra/emulate.py pads each generate/train op); "
-          "simulated from the homogeneous run's per-op costs:")
-    compare(rows, costs, workload, cluster)
+          "simulated from the homogeneous run's per-op costs (each mode's own, and pooled):")
+    compare(rows, costs, {r["mode"]: own.get(r["mode"], costs) for r in rows}, workload, cluster)
     by = {r["mode"]: r for r in rows}
     if "colocated" in by and "digenrl" in by:
         ratio = lambda key: by["colocated"][key] / by["digenrl"][key]  # noqa: E731
@@ -229,9 +252,9 @@ def run_bench(args) -> dict:
               "rows": rows, "load_average": [load, os.getloadavg()[0]],
               "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     if args.validate or args.hetero:
-        costs = validate(rows, w, args)
+        costs, own = validate(rows, w, args)
         if args.hetero:
-            result["hetero"] = {"rank_speed": args.hetero, "rows": hetero(args, w, costs)}
+            result["hetero"] = {"rank_speed": args.hetero, "rows": hetero(args, w, costs, own)}
     for r in rows + result.get("hetero", {}).get("rows", []):
         r.pop("wall_s", None)
     with open(os.path.join(args.out, "bench.json"), "w") as fh:

@@ -93,9 +93,12 @@ def analyse(mode: str, run: dict, w: dict) -> dict:
     weights_in = [s["end"] for s in spans if s["kind"] == "wait" and s["args"].get("what") == "weights"]
     starts = sorted(s["start"] for s in spans if s["kind"] == "generate")
     latency = [min((s for s in starts if s >= t), default=t) - t for t in weights_in]
-    # per padded pair (simulate.py adds TSP's padding itself): passes x pack slots per span
-    slots = (tsp.num_passes(m, w["train_steps"], k, w["tsp_pack"]) * w["tsp_pack"] if spread
+    # per padded pair (simulate.py adds TSP's padding itself): the span's pair slots (TAG's group-sized
+    # shares train fewer than a fragment's), or passes x pack of a whole fragment in traces without them
+    whole = (tsp.num_passes(m, w["train_steps"], k, w["tsp_pack"]) * w["tsp_pack"] if spread
              else m * w["train_steps"])
+    trains = [s for s in late if s["kind"] == "train"]
+    slots = sum(s["args"].get("slots", whole) for s in trains)
     return {
         "mode": mode, "step_s": step_s, "steps_per_s": 1 / step_s,
         "trajectories_per_s": w["N"] / step_s, "pairs_per_s": w["N"] * w["train_steps"] / step_s,
@@ -103,10 +106,13 @@ def analyse(mode: str, run: dict, w: dict) -> dict:
         "bubble": 1 - sum(busy.values()) / nproc, "wall_s": run["wall_s"], "window": window,
         "tag_fragments": sum(x.get("tag_fragments", 0) for x in run["metrics"] if x["step"] >= 1),
         "stale_fragments": sum(x.get("stale_fragments", 0) for x in run["metrics"] if x["step"] >= 1),
-        "op": {"generate_fragment_s": _mean(dur("generate")), "train_span_s": _mean(dur("train")),
+        "op": {"generate_fragment_s": _mean([s["end"] - s["start"] for s in late if s["kind"] == "generate"  # m samples
+                                             and s["args"].get("samples", m) == m], _mean(dur("generate"))),
+               "train_span_s": _mean(dur("train")),
                "f": window["gen_s"] / window["traj_steps"] if window["traj_steps"] else 0.0,
                "b": window["train_s"] / window["pairs"] if window["pairs"] else 0.0,
-               "b_span": _mean(dur("train")) / slots, "recv_s": _mean(dur("recv")),
+               "b_span": sum(s["end"] - s["start"] for s in trains) / slots if slots else 0.0,
+               "recv_s": _mean(dur("recv")),
                "publish_s": _mean(dur("publish")), "optimizer_s": _mean(dur("optimizer")),
                "step_overhead_s": _mean(gaps),
                "weights_latency_s": _mean([x for x in latency if x < 1.0])},
@@ -126,7 +132,16 @@ def efficiency(row: dict, f_min: float, b_min: float) -> float:
     return (w["traj_steps"] * f_min + w["pairs"] * b_min) / (w["nproc"] * w["length_s"])
 
 
-def measured_costs(rows: list[dict], w: dict, dec_rew: float) -> simulate.Costs:
+def forward_table(generate_fragment_s: float, w: dict, inproc: dict) -> dict:
+    """batch -> forward seconds per (sample, step): the level from a traced generate span of m samples, the
+    shape across batch sizes from bench.inprocess_costs (one group costs more per sample than m on a CPU)."""
+    m, dec = w["m"], inproc["decode_reward_s"] / w["m"]  # decode + reward per sample
+    per_sample = {b: max(s - b * dec, 0.0) / (b * w["T"]) for b, s in inproc["generate_s"].items()}
+    level = max(generate_fragment_s - m * dec, 0.0) / (m * w["T"])
+    return {b: level * v / per_sample[m] for b, v in per_sample.items()} if per_sample.get(m) else {m: level}
+
+
+def measured_costs(rows: list[dict], w: dict, inproc: dict) -> simulate.Costs:
     """One set of per-op costs for simulate.py: the median over the modes of each mode's mean."""
     def pool(key, modes=None):
         return _median([r["op"][key] for r in rows if r["op"][key] > 0
@@ -137,11 +152,10 @@ def measured_costs(rows: list[dict], w: dict, dec_rew: float) -> simulate.Costs:
     train_s = {w["m"]: pool("b_span", [r["mode"] for r in rows if r["mode"] not in packed])}
     if packed:
         train_s[w["tsp_pack"]] = pool("b_span", packed if w["tsp_pack"] != w["m"] else None)
-    gen = pool("generate_fragment_s")
     import time
     return simulate.Costs(
-        forward_s={w["m"]: max(gen - dec_rew, 0.0) / (w["m"] * w["T"])},
-        train_s={k: v for k, v in train_s.items() if v > 0}, decode_s=dec_rew / w["m"],
+        forward_s=forward_table(pool("generate_fragment_s"), w, inproc),
+        train_s={k: v for k, v in train_s.items() if v > 0}, decode_s=inproc["decode_reward_s"] / w["m"],
         transfer_s=pool("recv_s", disagg), publish_s=pool("publish_s", disagg),
         optimizer_s=pool("optimizer_s", disagg), step_overhead_s=pool("step_overhead_s"),
         # only colocated has more than one training rank here: its optimizer span holds the all-reduce
@@ -149,3 +163,15 @@ def measured_costs(rows: list[dict], w: dict, dec_rew: float) -> simulate.Costs:
         weights_latency_s=pool("weights_latency_s", disagg), name=f"tiny {w['model']} on CPU",
         provenance=f"measured by bench.py on this machine, {time.strftime('%Y-%m-%d %H:%M')}, "
                    "1 thread per rank")
+
+
+def mode_costs(pooled: simulate.Costs, row: dict, w: dict, inproc: dict) -> simulate.Costs:
+    """The pooled costs with this mode's own generation and training costs. On 2 CPU cores an op is slower
+    while the other rank computes too (contention the simulator does not model), and how often that
+    happens depends on the mode: each mode is simulated with the op costs it measured."""
+    import dataclasses
+    key = w["tsp_pack"] if simulate.MODES[row["mode"]][2] else w["m"]
+    own_train = {key: row["op"]["b_span"]} if row["op"]["b_span"] > 0 else pooled.train_s
+    gen = row["op"]["generate_fragment_s"]
+    return dataclasses.replace(pooled, forward_s=forward_table(gen, w, inproc) if gen > 0 else pooled.forward_s,
+                               train_s=own_train, name=f"{pooled.name}, {row['mode']}'s own op costs")
