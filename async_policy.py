@@ -6,8 +6,9 @@ After each optimizer step the trainer leader publishes the trainable weights (Lo
 on) with their version to every rollout rank, in the rollout's dtype, over a gloo group with CPU
 tensors: consecutive tensors are packed into flat buckets of at most PUBLISH_BUCKET_BYTES (one
 broadcast each: a model of many small tensors costs one round trip, not one per tensor), a larger
-tensor goes alone, so the sender never holds more than a bucket plus one whole tensor. A rollout rank receives them in a background thread (the `Mailbox`) and
-swaps them into its model only between fragments. With async on, once every group of batch k is
+tensor goes alone, so the sender never holds more than a bucket plus one whole tensor. A rollout
+rank receives them in a background thread (the `Mailbox`) and swaps them into its model only
+between fragments. With async on, once every group of batch k is
 claimed and version k+1 has not arrived yet (the trainer is still on batch k's tail),
 `generate_ahead` lets rollout ranks generate up to j fragments of batch k+1 with version k.
 
