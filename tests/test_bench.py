@@ -178,6 +178,15 @@ def test_per_op_costs_for_the_simulator_by_hand():
     assert own.forward_s == pytest.approx(ba.forward_table(0.2, w, inproc))
 
 
+def test_repeated_runs_report_the_median_run_and_bad_counts_are_refused(tmp_path):
+    rows = [{"mode": "naive", "step_s": s, "tag": i} for i, s in enumerate((0.3, 0.1, 0.2))]
+    assert bench.median_run(rows) == {"mode": "naive", "step_s": 0.2, "tag": 2, "step_s_runs": [0.3, 0.1, 0.2]}
+    assert bench.median_run(rows[:2])["step_s"] == 0.3  # of two, the slower
+    with pytest.raises(SystemExit, match="--repeat 0: the number of rounds must be >= 1"):
+        bench.main(["--repeat", "0", "--out", str(tmp_path / "never")])
+    assert not (tmp_path / "never").exists()
+
+
 def test_rank_speed_parsing_and_pacing(monkeypatch):
     from infra import emulate
     assert emulate.parse_rank_speed("0=0.5, 2=0.25") == {0: 0.5, 2: 0.25}

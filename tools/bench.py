@@ -190,15 +190,17 @@ def compare(rows, pooled, own, workload, cluster) -> None:
               f"{r['simulation_error']:+7.1%} {pool.step_s * 1e3:10.0f}ms {pool.step_s / r['step_s'] - 1:+7.1%}")
 
 
-def hetero(args, w: dict, costs: simulate.Costs, own: dict) -> list[dict]:
-    """The --hetero case: modes rerun with slowed ranks, next to simulate.py's prediction from the
-    homogeneous run's costs (nothing of the slowed runs feeds the prediction)."""
+def median_run(rows: list[dict]) -> dict:
+    """Of repeated runs of one mode, the one with the median step time (with 2, the slower); it keeps
+    `step_s_runs`, every run's step time."""
+    ordered = sorted(rows, key=lambda r: r["step_s"])
+    return {**ordered[len(ordered) // 2], "step_s_runs": [r["step_s"] for r in rows]}
+
+
+def hetero(args, w: dict, costs: simulate.Costs, own: dict, rows: list[dict]) -> list[dict]:
+    """The --hetero case: the runs with slowed ranks next to simulate.py's prediction from the homogeneous
+    runs' costs (nothing of the slowed runs feeds the prediction)."""
     speeds = emulate.check_rank_speed(args.hetero, args.nproc)
-    out = os.path.join(args.out, "hetero")
-    rows = []
-    for mode in args.hetero_modes.split(","):
-        print(f"[bench] hetero {mode}: --rank-speed {args.hetero} ...", flush=True)
-        rows.append(analyse(mode, run_mode(mode, args, out, ("--rank-speed", args.hetero)), w))
     workload, cluster = sim_setup(args, w, speeds)
     print(f"\n[hetero] rank speeds {speeds} (emulated: infra/emulate.py pads each generate/train op); "
           "simulated from the homogeneous run's per-op costs (each mode's own, and pooled):")
@@ -216,6 +218,8 @@ def run_bench(args) -> dict:
     for mode in modes + (args.hetero_modes.split(",") if args.hetero else []):
         if mode not in simulate.MODES:
             raise SystemExit(f"error: unknown mode {mode!r}; known: {', '.join(simulate.MODES)}")
+    if args.repeat < 1:
+        raise SystemExit(f"error: --repeat {args.repeat}: the number of rounds must be >= 1")
     if args.hetero:
         try:
             emulate.check_rank_speed(args.hetero, args.nproc)
@@ -231,10 +235,23 @@ def run_bench(args) -> dict:
          "m": args.fragment_groups * args.group_size, "N": args.prompts_per_step * args.group_size,
          "T": args.num_steps, "train_steps": t_train, "tsp_pack": args.tsp_pack, "steps": args.steps}
     load = os.getloadavg()[0]
-    rows = []
-    for mode in modes:
-        print(f"[bench] {mode}: python main.py {' '.join(mode_flags(mode))} ...", flush=True)
-        rows.append(analyse(mode, run_mode(mode, args, args.out), w))
+    # --hetero: each mode's slowed run right after its homogeneous one, so that a drift of this machine's
+    # speed (+-10-15% over tens of seconds, measured) hits the run and its prediction alike; --repeat: rounds
+    # of every mode, interleaved, and per mode the run with the median step time is reported.
+    hetero_modes = args.hetero_modes.split(",") if args.hetero else []
+    runs, slowed_runs = {}, {}
+    for k in range(args.repeat):
+        out = args.out if args.repeat == 1 else os.path.join(args.out, f"round{k}")
+        for mode in modes + [m for m in hetero_modes if m not in modes]:
+            if mode in modes:
+                print(f"[bench] {mode}: python main.py {' '.join(mode_flags(mode))} ...", flush=True)
+                runs.setdefault(mode, []).append(analyse(mode, run_mode(mode, args, out), w))
+            if mode in hetero_modes:
+                print(f"[bench] {mode} with --rank-speed {args.hetero} ...", flush=True)
+                slowed_runs.setdefault(mode, []).append(
+                    analyse(mode, run_mode(mode, args, os.path.join(out, "hetero"), ("--rank-speed", args.hetero)), w))
+    rows = [median_run(runs[mode]) for mode in modes]
+    slowed = [median_run(slowed_runs[mode]) for mode in hetero_modes]
     f, b, f_mode, b_mode = cheapest_costs(rows)
     bound = (w["N"] * w["T"] * f + w["N"] * t_train * b) / args.nproc
     baselines = {r["mode"]: r["step_s"] for r in rows if r["mode"] in ("colocated", "naive")}
@@ -243,7 +260,8 @@ def run_bench(args) -> dict:
         r.update({f"speedup_vs_{k}": v / r["step_s"] for k, v in baselines.items()})
     print(f"\n[bench] {args.model}, P={args.nproc} (R={args.rollout_ranks}), B={args.prompts_per_step} "
           f"G={args.group_size} T={args.num_steps} T_train={t_train}, {args.steps} steps (step 0 "
-          f"excluded), fragment = {args.fragment_groups} group(s)")
+          f"excluded), fragment = {args.fragment_groups} group(s)"
+          + (f"; per mode the median of {args.repeat} interleaved runs" if args.repeat > 1 else ""))
     print(f"[bench] bound (N T f + N T_train b)/P = {bound * 1e3:.0f} ms with the cheapest costs "
           f"measured: f = {f * 1e3:.3f} ms ({f_mode}), b = {b * 1e3:.3f} ms ({b_mode}); load "
           f"average {load:.1f} -> {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
@@ -254,7 +272,8 @@ def run_bench(args) -> dict:
     if args.validate or args.hetero:
         costs, own = validate(rows, w, args)
         if args.hetero:
-            result["hetero"] = {"rank_speed": args.hetero, "rows": hetero(args, w, costs, own)}
+            result["hetero"] = {"rank_speed": args.hetero, "rows": hetero(args, w, costs, own, slowed)}
+    result["repeat"] = args.repeat
     for r in rows + result.get("hetero", {}).get("rows", []):
         r.pop("wall_s", None)
     with open(os.path.join(args.out, "bench.json"), "w") as fh:
@@ -281,6 +300,9 @@ def main(argv=None) -> int:
     p.add_argument("--fragment-groups", type=int, default=1)
     p.add_argument("--tsp-pack", type=int, default=4, help="pairs per forward under TSP (main.py --tsp-pack)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds of every mode, interleaved; each mode reports its median run: this machine's "
+                        "speed drifts, more rounds cost time and steady the table")
     p.add_argument("--out", default=os.path.join("bench_runs", time.strftime("%Y%m%d-%H%M%S")))
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--validate", action="store_true",
