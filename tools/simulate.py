@@ -3,7 +3,7 @@
     python tools/simulate.py --costs bench_runs/quick/costs.json   # replay a bench-measured profile
     python tools/simulate.py --costs ... --rank-speed 0=0.5        # rank 0 at half speed
     python tools/simulate.py --costs ... --modes gap+tsp,gap+tsp+tag --sweep num_steps=12,24,48
-    python tools/simulate.py --paper                                # the seed models on 16/32 H200s
+    python tools/paper_scale.py                                     # the seed models on 16/32 H200s
 
 `simulate(mode, costs, cluster, workload)` runs a small discrete-event simulation that follows the
 runtime's protocol. The fragment queue hands out contiguous ranges of GROUPS: a rollout rank claims
@@ -353,10 +353,8 @@ def parse_rank_speed(spec: str | None) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--costs", help="a bench-produced costs JSON (bench.py writes <bench dir>/costs.json)")
-    parser.add_argument("--paper", action="store_true",
-                        help="instead: the four seed models on 16 and 32 H200s against the ideal and the "
-                             "real-cost colocated baselines (the same as tools/paper_scale.py)")
+    parser.add_argument("--costs", required=True,
+                        help="a bench-produced costs JSON (bench.py writes <bench dir>/costs.json)")
     parser.add_argument("--nproc", type=int, help="P (default: the costs file's)")
     parser.add_argument("--rollout-ranks", type=int, help="R; 0 = search the best split per mode")
     parser.add_argument("--rank-speed", help="RANK=FACTOR,... e.g. 0=0.5 (as main.py --rank-speed)")
@@ -368,12 +366,6 @@ def main(argv=None) -> int:
                         + "), e.g. num_steps=12,24,48: where a mechanism starts to pay")
     parser.add_argument("--out", help="also write the reports as JSON here")
     args = parser.parse_args(argv)
-    if args.paper:
-        from tools import paper_scale
-        paper_scale.print_paper(args.out)
-        return 0
-    if not args.costs:
-        parser.error("--costs is required (a bench-produced costs.json), or --paper")
     modes = args.modes.split(",") if args.modes else list(MODES)
     try:
         for mode in modes:
