@@ -24,9 +24,11 @@ recorded from background threads (the weight mailbox) without a lock: `list.appe
 atomic in CPython.
 
 Clocks: times come from `time.perf_counter()` and are exported relative to each rank's
-`t0`, taken right after a barrier in `align`. On one machine perf_counter is a single
-monotonic clock shared by all processes, so ranks line up exactly; across hosts the
-barrier only aligns them to within its own latency (about a network round trip).
+`t0`, agreed in `align`. On one machine perf_counter is a single monotonic clock shared
+by all processes, so ranks on one host share the earliest t0 and line up exactly (each
+rank's own post-barrier t0 can be milliseconds late on a loaded machine, which put a
+trainer's spans before the rollout spans they waited for); across hosts the barrier only
+aligns them to within its own latency (about a network round trip).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import gc
 import json
 import math
 import os
+import socket
 import tempfile
 import time
 
@@ -116,11 +119,20 @@ class Tracer:
             self._step_marks.append((step, time.perf_counter()))
 
     def align(self, group=None) -> None:
-        """Barrier across the group, then take t0 here, so every rank's zero is the same
-        moment (to within the barrier's latency). A no-op barrier without torch.distributed."""
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier(group=group)
+        """Barrier across the group, then agree on t0: ranks on one host take the earliest
+        t0 any of them took (one clock, so their spans line up exactly, however late the
+        scheduler let each leave the barrier); ranks on other hosts keep their own, aligned
+        to within the barrier's latency. Just t0 here without torch.distributed. `group`
+        must be a gloo group (all_gather_object)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            self.t0 = time.perf_counter()
+            return
+        dist.barrier(group=group)
         self.t0 = time.perf_counter()
+        mine = (socket.gethostname(), self.t0)
+        everyone = [None] * dist.get_world_size(group)
+        dist.all_gather_object(everyone, mine, group=group)
+        self.t0 = min(t0 for host, t0 in everyone if host == mine[0])
 
     def spans(self) -> list[dict]:
         """This rank's spans and step marks as dicts, times in seconds relative to t0."""

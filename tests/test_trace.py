@@ -191,6 +191,8 @@ def _gather_worker(rank, world_size, port, out_dir):
     try:
         tracer = project_trace.Tracer(rank=rank, role="trainer" if rank == 0 else "rollout")
         tracer.align()
+        with open(os.path.join(out_dir, f"t0_{rank}.txt"), "w") as f:
+            f.write(repr(tracer.t0))
         tracer.mark_step(0)
         with tracer.span("generate" if rank else "train", step=0, who=rank):
             time.sleep(0.01 * (rank + 1))
@@ -227,6 +229,9 @@ def test_gather_from_every_rank(tmp_path):
         proc.join(5)
     assert not hung, "gather test ranks hung and were killed"
     assert [proc.exitcode for proc in procs] == [0] * world_size
+    # One host, one perf_counter clock: every rank takes the same zero, so a span that waited
+    # for another rank's span never appears to start before it ended.
+    assert len({(tmp_path / f"t0_{rank}.txt").read_text() for rank in range(world_size)}) == 1
 
     data, thread_names = _check_chrome_trace(tmp_path / "trace.json", range(world_size))
     assert thread_names == {0: "rank 0 (trainer)", 1: "rank 1 (rollout)", 2: "rank 2 (rollout)"}
