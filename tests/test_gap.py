@@ -1,15 +1,12 @@
 """gap.py: a Fragment round-trips through send/recv and broadcast bit-exactly; concurrent claims are unique.
 async_policy.py, in the same three processes: published weights reach the rollout's model (Mailbox.swap_into),
 in the rollout's dtype, newest version first (catches a mailbox that reports a version it never copied in)."""
-import datetime
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import async_policy
+import dist_harness
 import gap
 
 pytestmark = pytest.mark.timeout(120)
@@ -36,10 +33,7 @@ def _same(a, b):
     assert a._ints() == b._ints()
 
 
-def _worker(rank, world, port, results):
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=30))
-    dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=30))
+def _worker(rank, world, store):
     frag = _fragment()
     if rank == 0:
         gap.send_fragment(frag, dst=1)
@@ -71,28 +65,13 @@ def _worker(rank, world, port, results):
         mailbox.join()
         for p, want in zip(params, published[2]):
             assert torch.equal(p, want.to(p.dtype)), (p, want)
-    results.put((rank, claimed))
     dist.barrier()
-    dist.destroy_process_group()
+    return claimed
 
 
 def test_round_trip_broadcast_unique_claims_and_published_weights():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_worker, args=(r, 3, port, results)) for r in range(3)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(90)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    claims = [results.get() for _ in range(3)]
-    every = sorted(i for _, c in claims for i in c)
+    claims = dist_harness.check(dist_harness.run(_worker, 3, timeout_s=90))
+    every = sorted(i for c in claims.values() for i in c)
     assert every == list(range(25))  # each fragment claimed exactly once across the three claimers
 
 

@@ -6,16 +6,16 @@ whole tensor that DTensor.full_tensor returns is tracked with a weak reference, 
 alive at once are compared with the largest single tensor.
 """
 import collections
-import datetime
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+import dist_harness
 
 pytestmark = pytest.mark.timeout(180)
 
 
-def _worker(rank, port, cache, results):
+def _worker(rank, world, store, cache):
     import os
     import weakref
 
@@ -27,9 +27,6 @@ def _worker(rank, port, cache, results):
     import models
     from trainer import TrainConfig, Trainer, shard_for_fsdp
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
     policy = models.load("flux", models.tiny_pipeline_path("flux"), "cpu", torch.float32)
     models.enable_full_training(policy)
     shard_for_fsdp(policy, dist.group.WORLD, keep_reference=False)
@@ -60,27 +57,12 @@ def _worker(rank, port, cache, results):
                   max(v.numel() * v.element_size() for s in trainer.optimizer.state.values() for v in s.values()
                       if v.ndim))
     sharded = sum(p.to_local().numel() * p.element_size() for p in trainer.params)
-    results.put((rank, publish_peak, peak[0], largest, sharded, state is None))
     dist.barrier()
-    dist.destroy_process_group()
+    return publish_peak, peak[0], largest, sharded, state is None
 
 
 def test_non_leaders_hold_one_whole_tensor_at_a_time(tiny_cache):
-    from infra.launch import free_port
-
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, tiny_cache, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(150)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    rows = {row[0]: row[1:] for row in (results.get(), results.get())}
+    rows = dist_harness.check(dist_harness.run(_worker, 2, tiny_cache, timeout_s=150))
     publish_peak, checkpoint_peak, largest, sharded, kept_nothing = rows[1]
     print(f"non-leader: sharded weights {sharded} B; largest whole tensor {largest} B; most whole-tensor bytes alive "
           f"at once: publish {publish_peak} B, checkpoint {checkpoint_peak} B")
