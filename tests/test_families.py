@@ -107,6 +107,44 @@ def test_velocity_reproduces_the_pipelines_own_sampling(name, built):
     torch.testing.assert_close(x, target.float(), rtol=1e-4, atol=1e-4)
 
 
+def _flux_euler_and_pipeline(policy, prompt, steps, seed):
+    """(an Euler ODE loop over policy.velocity, FluxPipeline(output_type="latent")'s latents, its schedule)."""
+    pipe = policy.pipe
+    target = pipe(prompt=[prompt], height=policy.height, width=policy.width, num_inference_steps=steps,
+                  guidance_scale=policy.guidance, max_sequence_length=policy.max_sequence_length, output_type="latent",
+                  generator=torch.Generator().manual_seed(seed)).images  # packed latents [1, tokens, 4C]
+    schedule = pipe.scheduler.sigmas.clone().float()  # what the pipeline just used
+    x = policy.noise(torch.Generator().manual_seed(seed))[None]
+    cond = policy.encode_prompts([prompt])
+    with torch.no_grad():
+        for i in range(steps):
+            x = x + (schedule[i + 1] - schedule[i]) * policy.velocity(x, schedule[i].expand(1), cond)
+    return x, target.float(), schedule
+
+
+@pytest.mark.parametrize("resolution", [32, 64])
+def test_flux_velocity_reproduces_flux_pipelines_own_sampling(tiny_cache, resolution):
+    """FLUX, the default model, against FluxPipeline: an Euler loop over policy.velocity lands where
+    FluxPipeline(output_type="latent") lands, from the same noise, at two resolutions (the scheduler's shift
+    depends on the token count, so the schedule differs) and two guidance scales (the embedded guidance reaches
+    the transformer). Catches: the timestep passed as t instead of t/1000 (= sigma), the guidance dropped or
+    mis-scaled, noise drawn in another layout than prepare_latents' (packed 2x2 tokens), image ids of another
+    grid, a schedule without the resolution-dependent shift, the pooled and sequence embeddings swapped."""
+    steps, prompt, seed = 3, "a red image", 0
+    policy = models.load("flux", models.tiny_pipeline_path("flux"), height=resolution)
+    torch.testing.assert_close(policy.sigmas(steps), _flux_euler_and_pipeline(policy, prompt, steps, seed)[2])
+    landed = {}
+    for guidance in (3.5, 5.0):
+        policy.guidance = guidance
+        x, target, _ = _flux_euler_and_pipeline(policy, prompt, steps, seed)
+        torch.testing.assert_close(x, target, rtol=1e-4, atol=1e-4)
+        landed[guidance] = x
+    assert float((landed[3.5] - landed[5.0]).abs().max()) > 1e-3  # the guidance scale changes where it lands
+    if resolution == 64:  # the shift grows with the token count: a schedule of its own
+        small = models.load("flux", models.tiny_pipeline_path("flux"), height=32)
+        assert float((small.sigmas(steps) - policy.sigmas(steps)).abs().max()) > 1e-3
+
+
 @pytest.mark.parametrize("name", FAMILIES)
 def test_lora_starts_as_the_reference(name, built):
     policy = models.load(name, built(name))
