@@ -155,11 +155,13 @@ class Mailbox:
     def held_version(self) -> int:
         return self._held_version
 
-    def wait_for(self, version: int) -> None:
-        """Block until weights of at least `version` have arrived."""
+    def wait_for(self, version: int, also_check: Callable[[], None] = lambda: None) -> None:
+        """Block until weights of at least `version` have arrived. `also_check` runs at least once a second
+        while waiting and may raise: the rollout's fragment sender, whose failure means they never will."""
         with self._cond:
             while self._latest is None or self._latest[0] < version:
                 self._raise_if_failed()
+                also_check()
                 if not self._thread.is_alive():
                     raise RuntimeError(f"weight mailbox stopped before version {version} arrived")
                 self._cond.wait(1.0)

@@ -162,12 +162,12 @@ class Sender:
         except BaseException as exc:  # noqa: BLE001  (re-raised on the main thread)
             self.error = exc
 
-    def _raise_if_failed(self):
+    def raise_if_failed(self) -> None:
         if self.error is not None:
             raise RuntimeError(f"fragment sender failed: {self.error}") from self.error
 
     def put(self, fragment: Fragment, dst: int) -> None:
-        self._raise_if_failed()
+        self.raise_if_failed()
         self.items.put((fragment, dst))
 
     def close(self) -> None:
@@ -175,7 +175,7 @@ class Sender:
         and a dead trainer ends the job through liveness."""
         self.items.put(None)
         self.thread.join()
-        self._raise_if_failed()
+        self.raise_if_failed()
 
 
 def run_rollout_rank(*, rank: int, steps: range, queue: gap.FragmentQueue, fragment_groups: int,
@@ -196,8 +196,8 @@ def run_rollout_rank(*, rank: int, steps: range, queue: gap.FragmentQueue, fragm
         sender.put(fragment, dst)
 
     for step in steps:
-        with tracer.span("wait", step=step, what="weights"):
-            mailbox.wait_for(step)
+        with tracer.span("wait", step=step, what="weights"):  # a failed send means the weights never come: raise
+            mailbox.wait_for(step, also_check=sender.raise_if_failed)
         for claimed in gap.claims(queue, step, fragment_groups, before_each=lambda: mailbox.swap_into(params)):
             produce(step, claimed, False)  # new weights are swapped in only between fragments
         if stale_budget is not None:  # TCSS: batch `step` is fully claimed

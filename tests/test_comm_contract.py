@@ -1,5 +1,5 @@
 """The communication contract of comm.py, enforced on CPU: every torch.distributed call of a real run is
-recorded (tests/comm_contract/sitecustomize.py, loaded by every rank) and checked against the rules
+recorded (tests/inject/comm_recorder.py, loaded by every rank through tests/inject/sitecustomize.py) and checked against the rules
 that keep the GPU path equal to the tested one:
 - a background thread never calls the compute plane (under NCCL it would make generation wait);
 - a data-plane call carries CPU tensors only (gloo, whatever the default backend);
@@ -56,7 +56,7 @@ COMMON = ["--steps", "2", "--group-size", "2", "--num-steps", "3", "--save-every
 @pytest.fixture(scope="module")
 def recorded(tiny_cache, tmp_path_factory):
     out = tmp_path_factory.mktemp("contract")
-    env = {"PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "tests", "comm_contract"), ROOT,
+    env = {"PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "tests", "inject"), ROOT,
                                           os.environ.get("PYTHONPATH", "")])}
     result = {}
     for name, args in LAYOUTS.items():

@@ -9,13 +9,21 @@ Each test names the bug it catches:
   hide it), padding that counts, a wrong ratio; with --max-grad-norm small enough to engage, the
   gradient the optimizer sees is that gradient scaled to the norm: catches disabled clipping;
 - metrics ignore TSP padding pairs;
-- evaluation is the ODE (noise level 0) whatever the training noise level: catches SDE noise in eval.
+- evaluation is the ODE (noise level 0) whatever the training noise level: catches SDE noise in eval;
+- the fragment's states and log-probs, and the trainer's log-probs of its pairs, are what an independent
+  sampler gives: FluxPipeline's own prepare_latents / encode_prompt / schedule, the diffusers transformer
+  called as FluxPipeline calls it (timestep = t / 1000, guidance, ids), Flow-GRPO's own step
+  (test_reference_steps' transcription). The other tests here regenerate with the code under test; this one
+  catches what both paths would share: a timestep in the wrong units, noise in another layout than the
+  pipeline's, the rollout and the trainer scoring with the same wrong step.
 
 Run: python -m pytest -q tests/test_truth.py
 """
+import copy
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -191,3 +199,53 @@ def test_evaluation_is_the_ode_whatever_the_training_noise_level(setup):
         for t in range(sampling.num_steps):
             x = x + policy.velocity(x, sigmas[t].expand(len(prompts)), cond) * (sigmas[t + 1] - sigmas[t])
     torch.testing.assert_close(runs[0][1], policy.decode(x), rtol=1e-4, atol=1e-5)
+
+
+def _independent_flux_trajectory(policy, prompt, init_seed, noise_seed, num_steps):
+    """One Flow-GRPO trajectory without the code under test: [(x_t, x_t+1, log-prob of the step)] for t < T."""
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+    from test_reference_steps import flow_grpo_sde_step_with_logprob
+
+    pipe, transformer = policy.pipe, policy.transformer
+    scheduler = copy.deepcopy(pipe.scheduler)
+    with torch.no_grad():
+        embeds, pooled, text_ids = pipe.encode_prompt(prompt=[prompt], prompt_2=None, device="cpu",
+                                                      max_sequence_length=policy.max_sequence_length)
+        x, image_ids = pipe.prepare_latents(1, transformer.config.in_channels // 4, policy.height, policy.width,
+                                            torch.float32, "cpu", torch.Generator().manual_seed(init_seed))
+        c = scheduler.config  # FluxPipeline.__call__: linspace sigmas, the resolution-dependent shift mu
+        mu = calculate_shift(x.shape[1], c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                             c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+        scheduler.set_timesteps(num_steps, sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
+        guidance = torch.full([1], policy.guidance, dtype=torch.float32)
+        noise = torch.Generator().manual_seed(noise_seed)
+        steps = []
+        for t in scheduler.timesteps:
+            timestep = t.expand(1).to(x.dtype)
+            v = transformer(hidden_states=x, timestep=timestep / 1000, guidance=guidance, pooled_projections=pooled,
+                            encoder_hidden_states=embeds, txt_ids=text_ids, img_ids=image_ids, return_dict=False)[0]
+            x_next, logp, _, _ = flow_grpo_sde_step_with_logprob(scheduler, v, timestep, x, NOISE_LEVEL,
+                                                                 generator=noise)
+            steps.append((x[0], x_next[0], logp[0]))
+            x = x_next
+    return steps
+
+
+def test_the_fragment_and_the_trainers_log_probs_are_what_an_independent_sampler_gives(setup):
+    policy, sampling, _, prompts, spec, fragment = setup
+    m, t_train = fragment.latents.shape[:2]
+    trainer = Trainer(policy, TrainConfig(noise_level=NOISE_LEVEL))
+    for i in (0, m - 1):
+        truth = _independent_flux_trajectory(policy, prompts[spec.prompt_ids[i]], spec.init_seeds[i],
+                                             spec.noise_seeds[i], sampling.num_steps)
+        for k, t in enumerate(fragment.timestep_index[i].tolist()):
+            x, x_next, logp = truth[t]
+            torch.testing.assert_close(fragment.latents[i, k], x, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(fragment.next_latents[i, k], x_next, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(fragment.log_probs[i, k], logp, rtol=1e-4, atol=1e-4)
+        # the trainer's side of the on-policy ratio: its log-probs of the recorded pairs, one forward for all
+        pairs = [(i, k) for k in range(t_train)]
+        with torch.no_grad():
+            _, _, trained = trainer.pair_loss(tsp.gather_pairs(fragment, pairs), torch.ones(t_train), stale=False)
+        want = torch.stack([truth[t][2] for t in fragment.timestep_index[i].tolist()])
+        torch.testing.assert_close(trained, want, rtol=1e-4, atol=1e-4)

@@ -1,5 +1,6 @@
-"""Records every torch.distributed call of a process (tests/test_comm_contract.py puts this folder on
-PYTHONPATH, so every rank imports it at start-up, under the self-spawning launcher and under torchrun).
+"""Records every torch.distributed call of a process (tests/test_comm_contract.py puts tests/inject on
+PYTHONPATH, so every rank imports it at start-up through tests/inject/sitecustomize.py, under the
+self-spawning launcher and under torchrun).
 
 Active only when DIGENRL_COMM_LOG names a folder: each call appends one JSON line to <folder>/<pid>.jsonl
 with the op, the group's plane (comm.py names groups "data:<n>" / "compute:<n>"; "default" for the

@@ -1,0 +1,130 @@
+"""The rollout rank's background threads fail loudly: an error in the fragment sender (rollout.Sender) or in
+the weight mailbox (async_policy.Mailbox) ends the rank's main thread with a message naming the thread,
+wherever the main thread is at that moment; never a hang (no wait has a deadline, and liveness sees two
+live ranks that each wait for the other).
+
+Bugs caught: an error the thread swallows (the main thread would wait for ever); a main thread that checks
+the sender only when it hands it the next fragment (it hung in `mailbox.wait_for` when the send of a step's
+last fragment failed: the trainer waits for that fragment, the rollout for the weights that follow it).
+
+The harness (tests/dist_harness.py) runs the real `rollout.run_rollout_rank` with a real Sender and Mailbox
+on rank 0 and a scripted trainer on rank 1 (receives fragments as announced, publishes a version after each
+step). The rollout loop is the same code in every disaggregated mode (naive, gap, gap+tsp, gap+tsp+tag,
+digenrl); what changes its control flow is TCSS (the stale budget: generate-ahead between a step's last
+claim and the next weights), so each fault runs with and without it, and with one or two fragments per step
+(the failed send is then the step's last either way, with or without a fragment before it). One real `main.py` run in the default mode
+checks that the launcher reports the sender's error for the rank.
+"""
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import async_policy
+import dist_harness
+import gap
+import rollout
+from conftest import ROOT
+from infra.tracing import Tracer
+
+pytestmark = pytest.mark.timeout(120)
+
+STEPS = 3
+
+
+def _fragment(step, first, count, version, producer, group_size=2):
+    m = count * group_size
+    z = torch.zeros
+    return gap.Fragment(step=step, first_group=first, policy_version=version, producer=producer, group_size=group_size,
+                        prompt_ids=z(m, dtype=torch.long), cond={"e": z(m, 3)}, latents=z(m, 1, 4),
+                        next_latents=z(m, 1, 4), timestep_index=z(m, 1, dtype=torch.long), sigmas=z(m, 1),
+                        sigmas_next=z(m, 1), log_probs=z(m, 1), rewards=z(m), reward_parts=z(m, 1), advantages=z(m))
+
+
+def _worker(rank, world, store, fault, use_async, fragment_groups, groups_per_step):
+    data, publish = dist.new_group([0, 1]), dist.new_group([0, 1])  # as comm.py: one group per thread that talks
+    queue = gap.FragmentQueue(dist.PrefixStore("queue", store), groups_per_step)
+    weights = [torch.arange(4.0)]
+    if rank == 1:  # the trainer, scripted: take each announced fragment, publish the next version after each step
+        async_policy.publish(iter(weights), 1, 0, src=1, group=publish)
+        for step in range(STEPS):
+            for seq in range(groups_per_step // fragment_groups):
+                gap.recv_fragment(queue.wait(step, seq).producer, group=data)
+            async_policy.publish(iter(weights), 1, step + 1, src=1, group=publish)
+        async_policy.publish([], 0, async_policy.STOP, src=1, group=publish)
+        return "trainer done"
+
+    calls = {"send": 0, "publish": 0}
+    send, receive = gap.send_fragment, async_policy.Mailbox._receive_buckets
+
+    def failing_send(fragment, dst, group=None):  # the sender thread's send of the fault's fragment raises
+        calls["send"] += 1
+        if fault == "sender" and calls["send"] == groups_per_step // fragment_groups:  # the step's last fragment
+            raise ConnectionResetError("injected: the connection to the trainer was reset")
+        return send(fragment, dst, group=group)
+
+    def failing_receive(self):  # the mailbox thread raises on version 1, mid-run
+        calls["publish"] += 1
+        if fault == "mailbox" and calls["publish"] == 2:
+            raise ConnectionResetError("injected: the publish stream broke")
+        return receive(self)
+
+    gap.send_fragment, async_policy.Mailbox._receive_buckets = failing_send, failing_receive
+    params = [torch.zeros(4)]
+    tracer = Tracer(0, "rollout")
+    rollout.run_rollout_rank(
+        rank=0, steps=range(STEPS), queue=queue, fragment_groups=fragment_groups,
+        generate=lambda step, first, count, version, producer: _fragment(step, first, count, version, producer),
+        mailbox=async_policy.Mailbox(1, publish, like=params), params=params, sender=rollout.Sender(data, tracer),
+        destination_of=lambda seq: 1, tracer=tracer, report_generation_s=lambda s, g: None,
+        stale_budget=async_policy.StaleBudget(dist.PrefixStore("stale", store), 1) if use_async else None)
+    return "rollout finished although its thread failed"
+
+
+CASES = {  # fault, TCSS on, groups per fragment (of 2 per step)
+    "sender_sync_one_fragment_per_step": ("sender", False, 2),  # the old code hung
+    "sender_sync_two_fragments_per_step": ("sender", False, 1),  # the old code hung
+    "sender_tcss": ("sender", True, 2),
+    "mailbox_sync": ("mailbox", False, 1),
+    "mailbox_tcss": ("mailbox", True, 2),
+}
+MESSAGES = {"sender": "fragment sender failed: injected", "mailbox": "weight mailbox failed: injected"}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_failing_thread_ends_the_rollout_main_thread_with_its_name(case):
+    fault, use_async, fragment_groups = CASES[case]
+    message = MESSAGES[fault]
+    reports = dist_harness.run(_worker, 2, fault, use_async, fragment_groups, 2, timeout_s=60, needed={0})
+    report = reports[0]
+    print(f"{fault}: the rollout's main thread raised {report.seconds:.2f} s after it started")
+    assert not report.ok, report.value
+    assert report.value.startswith("RuntimeError: " + message), report.value[:2000]
+
+
+def test_a_failing_sender_ends_a_real_job_with_a_message_naming_it(tiny_cache, tmp_path):
+    """main.py, the sender's first send made to raise in the rollout rank (tests/inject: DIGENRL_TEST_INJECT=
+    fail_sender): the launcher names the rank and the sender's error. The naive mode with one fragment per step:
+    the failed send is the step's last, and the rollout's main thread next waits for weights that never come
+    (the old code hung there; TCSS's path is in the harness cases above). Liveness is given 600 s, so only the
+    error path can end the job within the test's 90 s."""
+    env = dict(os.environ, DIGENRL_CACHE=tiny_cache, OMP_NUM_THREADS="1", DIGENRL_TEST_INJECT="fail_sender",
+               PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests", "inject"), ROOT, os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, os.path.join(ROOT, "main.py"), "--mode", "naive", "--steps", "3", "--prompts-per-step", "2",
+           "--group-size", "2", "--num-steps", "3", "--fragment-groups", "2", "--eval-every", "0", "--save-every", "0",
+           "--timeout-s", "600", "--no-trace", "--out-dir", str(tmp_path), "--run-name", "job", "--no-progress",
+           "--threads", "1"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)  # its own process group: a hang is ended with every rank
+    try:
+        _, err = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError("the job hung: the sender's error never reached the rollout's main thread") from None
+    assert proc.returncode != 0, err[-2000:]
+    assert "rank 0 (rollout) failed: RuntimeError: fragment sender failed: injected" in err, err[-3000:]
