@@ -1,6 +1,6 @@
 """The communication contract of comm.py, enforced on CPU: every torch.distributed call of a real run is
-recorded (tests/inject/comm_recorder.py, loaded by every rank through tests/inject/sitecustomize.py) and checked against the rules
-that keep the GPU path equal to the tested one:
+recorded (tests/inject/comm_recorder.py, loaded by every rank through tests/inject/sitecustomize.py) and
+checked against the rules that keep the GPU path equal to the tested one:
 - a background thread never calls the compute plane (under NCCL it would make generation wait);
 - a data-plane call carries CPU tensors only (gloo, whatever the default backend);
 - a compute-plane call carries tensors on the policy device, and comes only from the gradient

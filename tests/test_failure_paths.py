@@ -11,9 +11,9 @@ The harness (tests/dist_harness.py) runs the real `rollout.run_rollout_rank` wit
 on rank 0 and a scripted trainer on rank 1 (receives fragments as announced, publishes a version after each
 step). The rollout loop is the same code in every disaggregated mode (naive, gap, gap+tsp, gap+tsp+tag,
 digenrl); what changes its control flow is TCSS (the stale budget: generate-ahead between a step's last
-claim and the next weights), so each fault runs with and without it, and with one or two fragments per step
-(the failed send is then the step's last either way, with or without a fragment before it). One real `main.py` run in the default mode
-checks that the launcher reports the sender's error for the rank.
+claim and the next weights), so each fault runs with and without it, and the sender's with one or two
+fragments per step (the failed send is the step's last, with or without a fragment sent before it). One real
+`main.py` run checks that the launcher reports the sender's error, naming the rank.
 """
 import os
 import signal
@@ -112,8 +112,9 @@ def test_a_failing_sender_ends_a_real_job_with_a_message_naming_it(tiny_cache, t
     the failed send is the step's last, and the rollout's main thread next waits for weights that never come
     (the old code hung there; TCSS's path is in the harness cases above). Liveness is given 600 s, so only the
     error path can end the job within the test's 90 s."""
+    path = os.pathsep.join([os.path.join(ROOT, "tests", "inject"), ROOT, os.environ.get("PYTHONPATH", "")])
     env = dict(os.environ, DIGENRL_CACHE=tiny_cache, OMP_NUM_THREADS="1", DIGENRL_TEST_INJECT="fail_sender",
-               PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "tests", "inject"), ROOT, os.environ.get("PYTHONPATH", "")]))
+               PYTHONPATH=path)
     cmd = [sys.executable, os.path.join(ROOT, "main.py"), "--mode", "naive", "--steps", "3", "--prompts-per-step", "2",
            "--group-size", "2", "--num-steps", "3", "--fragment-groups", "2", "--eval-every", "0", "--save-every", "0",
            "--timeout-s", "600", "--no-trace", "--out-dir", str(tmp_path), "--run-name", "job", "--no-progress",

@@ -1,10 +1,10 @@
 """The trainer's other trained quantities pinned to outside truths: the KL term (beta > 0) and the DanceGRPO path.
 
 - KL: one real training step with beta > 0 against a reference that differs from the policy (a perturbed
-  copy for full fine-tuning; the base transformer, loaded apart, for LoRA with nonzero B): the gradient the
-  optimizer sees is autograd on the plain objective written out here (test_truth's Flow-GRPO loss plus
-  beta / (N T_train) times the sum over pairs of torch.distributions' Gaussian KL between the policy's and the
-  reference's step distributions), and the logged `kl` is that KL's mean over the real pairs. Catches: the KL
+  copy for full fine-tuning; for LoRA with nonzero B, the base transformer copied before the adapters went
+  in): the gradient the optimizer sees is autograd on the plain objective written out here (test_truth's
+  Flow-GRPO loss plus beta / (N T_train) times the sum over pairs of torch.distributions' Gaussian KL between
+  the policy's and the reference's step distributions), and the logged `kl` is that KL's mean over the real pairs. Catches: the KL
   with the wrong sign (the step would push away from the reference), the wrong weight, a reference that is
   the policy itself (LoRA adapters not disabled: KL 0), a KL over another std, padding pairs in the metric.
 - DanceGRPO: a fragment generated with `--algo dance_grpo` (constant eta, shared group noise, random
@@ -69,16 +69,16 @@ def plain_kl(policy, reference, fragment):
 
 def _lora_policy_and_base():
     """A tiny FLUX policy with LoRA whose B is nonzero (so it differs from its base), and the base transformer
-    loaded apart: the reference computed without the adapters-off switch under test."""
-    path = models.tiny_pipeline_path("flux")
-    policy = models.load("flux", path, "cpu", torch.float32)
+    copied before the adapters went in: the reference computed without the adapters-off switch under test."""
+    policy = models.load("flux", models.tiny_pipeline_path("flux"), "cpu", torch.float32)
+    base = copy.deepcopy(policy.transformer)  # before the adapters go in
     torch.manual_seed(1)
     models.add_lora(policy, 4, 8, "attention")
     with torch.no_grad():
         for name, p in policy.transformer.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)
-    return policy, models.load("flux", path, "cpu", torch.float32).transformer
+    return policy, base
 
 
 @pytest.mark.parametrize("kind", ["full", "lora"])
@@ -98,7 +98,7 @@ def test_kl_value_and_gradient_are_the_plain_objectives_with_a_perturbed_referen
         total = 2 * m * t_train  # the fragment is half the batch
         params = [p for p in policy.transformer.parameters() if p.requires_grad]
         kl = plain_kl(policy, reference, fragment)
-        assert float(kl.min()) > 0  # the reference differs at every pair: a sign or weight error shows
+        assert float(kl.detach().min()) > 0  # the reference differs at every pair: a sign or weight error shows
         objective = plain_flow_grpo_loss(policy, fragment, None, 0.01, total) + BETA * kl.sum() / total
         want = torch.autograd.grad(objective, params)
         packs, masks = tsp.tsp_packs(m, t_train, 0, 1, 4)  # two padding pairs, left out of the kl metric
@@ -106,7 +106,7 @@ def test_kl_value_and_gradient_are_the_plain_objectives_with_a_perturbed_referen
         got, metrics = _step_gradient(policy, fragment, cfg, packs, masks, total)
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-8)
-        assert metrics["kl"] == pytest.approx(float(kl.mean()), rel=1e-4)
+        assert metrics["kl"] == pytest.approx(float(kl.detach().mean()), rel=1e-4)
         if kind == "full":
             assert policy.reference_transformer is reference  # the trainer used this reference, not a new copy
     finally:
