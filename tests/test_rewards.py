@@ -124,19 +124,41 @@ def tiny_clip_path(tmp_path_factory):
     return str(directory)
 
 
-def test_clip_score_tiny_model(tiny_clip_path):
+def _clip_cosine_by_hand(path, image, prompt) -> float:
+    """CLIP's score of one (image, prompt) pair from CLIPModel's parts, one pair at a time: the projected pooled
+    outputs of the vision and text towers, their cosine (torch.nn.functional.cosine_similarity)."""
+    from PIL import Image
+    from transformers import CLIPModel, CLIPProcessor
+
+    model, processor = CLIPModel.from_pretrained(path).eval(), CLIPProcessor.from_pretrained(path)
+    pil = Image.fromarray((image.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy())
+    inputs = processor(text=[prompt], images=[pil], return_tensors="pt")
+    with torch.no_grad():
+        image_embed = model.visual_projection(model.vision_model(pixel_values=inputs["pixel_values"]).pooler_output)
+        text_embed = model.text_projection(model.text_model(input_ids=inputs["input_ids"],
+                                                            attention_mask=inputs["attention_mask"]).pooler_output)
+    return float(torch.nn.functional.cosine_similarity(image_embed, text_embed)[0])
+
+
+def test_clip_score_is_clips_cosine_of_each_image_with_its_own_prompt(tiny_clip_path):
+    """Outside truth: each score is the cosine computed by hand from CLIPModel for that image and ITS prompt, with
+    two different prompts, so a pairing bug (image i scored against prompt j, a reversed or rolled text batch, the
+    logits matrix read along the wrong axis) fails; the cross pairs score differently enough to tell."""
     clip_score = REWARDS["clip_score"](clip_path=tiny_clip_path)
     generator = torch.Generator().manual_seed(0)
     images = torch.stack([RED, torch.rand(3, 16, 16, generator=generator)])  # resized to 32
-    scores = clip_score(images, ["a red image", "a red image"])
+    prompts = ["a red image", "a blue image"]
+    scores = clip_score(images, prompts)
     assert scores.shape == (2,) and scores.dtype == torch.float32
     assert torch.isfinite(scores).all() and scores.abs().max() <= 1 + 1e-5
-    assert abs(scores[0].item() - scores[1].item()) > 1e-4
+    by_hand = [[_clip_cosine_by_hand(tiny_clip_path, images[i], p) for p in prompts] for i in range(2)]  # [image][prompt]
+    torch.testing.assert_close(scores, torch.tensor([by_hand[0][0], by_hand[1][1]]), rtol=1e-4, atol=1e-5)
+    assert min(abs(by_hand[0][0] - by_hand[0][1]), abs(by_hand[1][1] - by_hand[1][0])) > 1e-3  # pairing shows
     # Deterministic: the same inputs give the same scores.
-    torch.testing.assert_close(clip_score(images, ["a red image"] * 2), scores)
-    # Videos go through the generic per-frame wrapper.
-    video = images[:, None].expand(2, 3, 3, 16, 16)  # [B=2, F=3, 3, 16, 16], static frames
-    torch.testing.assert_close(clip_score(video, ["a red image"] * 2), scores)
+    torch.testing.assert_close(clip_score(images, prompts), scores)
+    # Videos go through the generic per-frame wrapper: static frames score as their image, with its prompt.
+    video = images[:, None].expand(2, 3, 3, 16, 16)  # [B=2, F=3, 3, 16, 16]
+    torch.testing.assert_close(clip_score(video, prompts), scores)
 
 
 def test_clip_score_needs_an_existing_path(tmp_path):
