@@ -154,6 +154,9 @@ def test_dance_grpo_hunyuanvideo_two_steps_with_an_animated_eval(tiny_cache, tmp
     assert len(rows) == 2 and all(r["skipped_step"] == 0 for r in rows)
     assert all(r["pairs"] == 2 * 2 * 1 for r in rows)  # DanceGRPO's default: int((T - 1) * 0.6) = 1 of T = 3 steps
     assert all(torch.isfinite(torch.tensor([r["loss"], r["grad_norm"], r["reward_mean"]])).all() for r in rows)
+    # The trainers score DanceGRPO's step, with its eta, as the rollout did: step 0 (nothing can be stale yet) has
+    # no log-prob gap. Catches main.py handing the trainer another algo or noise level than the rollout's.
+    assert rows[0]["stale_fragments"] == 0 and rows[0]["logprob_gap"] < 1e-5, rows[0]
     with Image.open(tmp_path / "dance" / "eval" / "step_000002.gif") as gif:
         frames = [frame.convert("RGB") for frame in ImageSequence.Iterator(gif)]
     assert len(frames) == models.get_family("hunyuanvideo").tiny_frames
