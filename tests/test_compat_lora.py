@@ -215,5 +215,6 @@ def test_pretrained_hub_id_from_the_cache_or_a_clear_refusal(tiny_cache, tmp_pat
     assert loaded == "LOADED FluxTransformer2DModel"
     assert refused.startswith("REFUSED --pretrained 'digenrl-test/no-such-model' is not a local directory")
     assert "could not be fetched" in refused and "--local-dir DIR" in refused and "--pretrained DIR" in refused
-    with pytest.raises(FileNotFoundError, match="does not exist"):  # a path, not an id: the old message
-        main.prepare(["--model", "flux", "--pretrained", "/models/FLUX.1-dev"])
+    missing = tmp_path / "models" / "FLUX.1-dev"  # an absolute path that does not exist (not the README's example
+    with pytest.raises(FileNotFoundError, match="does not exist"):  # path, which is real on GPU machines): a path,
+        main.prepare(["--model", "flux", "--pretrained", str(missing)])  # not an id: the old message

@@ -44,12 +44,24 @@ def test_colocated_by_hand():
     assert real.step_s == pytest.approx(work + 0.1)
 
 
-def test_modes_come_from_config():
+# Every mode's mechanisms, written out by hand (placement, gap, tsp, tag, async): the README's table of modes.
+MECHANISMS = {"colocated": ("colocated", False, False, False, False),
+              "naive": ("disaggregated", False, False, False, False),
+              "gap": ("disaggregated", True, False, False, False),
+              "gap+tsp": ("disaggregated", True, True, False, False),
+              "gap+tsp+tag": ("disaggregated", True, True, True, False),
+              "digenrl": ("disaggregated", True, True, True, True)}
+
+
+def test_modes_are_the_documented_mechanism_mixes():
+    """Catches a preset that changed (DigenRL without TCSS, naive with GAP) or a mix parsed into the wrong flags:
+    simulate.py and bench.py would then simulate and run another mode than the one they name."""
     import config
-    for name, mix in config.MODES.items():
-        assert sim.MODES[name] == mix
-    assert sim.mechanisms("gap+tsp") == ("disaggregated", True, True, False, False)
-    assert sim.mechanisms(sim.REAL_COLOCATED) == config.MODES["colocated"]
+    assert sim.MODES == MECHANISMS
+    assert config.MODES == {name: MECHANISMS[name] for name in ("digenrl", "colocated", "naive")}
+    assert sim.mechanisms("tsp+gap") == MECHANISMS["gap+tsp"]  # order-free
+    assert sim.mechanisms("gap+async") == ("disaggregated", True, False, False, True)
+    assert sim.mechanisms(sim.REAL_COLOCATED) == MECHANISMS["colocated"]
     with pytest.raises(ValueError, match="unknown mode"):
         sim.mechanisms("gap+fast")
 
