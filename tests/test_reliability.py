@@ -257,7 +257,9 @@ def test_sigkill_at_a_random_moment_then_resume_matches_the_uninterrupted_run(se
     # fragments in a fixed order, so a run is a function of its seed and a resumed run must reproduce it.
     # The poison reward stays: a resumed run must also skip the same step.
     args = ["--placement", "disaggregated", "--gap", "--tsp", *setup["args"], *setup["score"]]
-    seed = int(os.environ.get("DIGENRL_KILL_SEED", time.time_ns() % 1_000_000))
+    # A fixed seed (not the clock): a failure can be rerun with the same kill moment, and every run of the suite
+    # tests the same fraction of a step; DIGENRL_KILL_SEED=k tries others.
+    seed = int(os.environ.get("DIGENRL_KILL_SEED", "0"))
     rng = random.Random(seed)
     run = folder / "killed"
     reference = _start(args, "uninterrupted", folder, cache)  # in parallel, to save wall time
