@@ -104,6 +104,24 @@ def test_gap_assignment_check(checkout):
     assert not course.check_gap(os.path.join(copy, "runs", "course", "gap"), off="gap", on="naive")
 
 
+def test_gap_check_reads_the_order_of_recorded_spans():
+    """check-gap's overlap claims are orders of events, so a loaded machine cannot flip them: a naive trace whose
+    trainer starts a batch 1 ms before its last generation ended (a clock skew the old share-of-time check read
+    as overlap) is a violation however short the overlap; a GAP trace needs one step that trains early."""
+    def span(kind, role, start, end, step):
+        return {"kind": kind, "role": role, "start": start, "end": end, "args": {"step": step}}
+
+    naive = [span("generate", "rollout", 0.0, 1.0, 1), span("generate", "rollout", 1.0, 2.0, 1),
+             span("train", "trainer", 2.1, 3.0, 1), span("generate", "rollout", 3.2, 4.2, 2),
+             span("train", "trainer", 4.3, 5.0, 2), span("train", "trainer", 0.5, 0.6, 0)]  # step 0 is ignored
+    assert course.trained_before_generated(naive) == (0, 2)
+    skewed = naive + [span("train", "trainer", 4.199, 4.3, 2)]
+    assert course.trained_before_generated(skewed) == (1, 2)
+    gap = [span("generate", "rollout", 0.0, 1.0, 1), span("train", "trainer", 1.01, 1.5, 1),
+           span("generate", "rollout", 1.0, 2.0, 1), span("train", "trainer", 2.01, 2.5, 1)]
+    assert course.trained_before_generated(gap) == (1, 1)
+
+
 def gain(costs, cluster, wl, num_steps) -> float:
     """The page's definition: 1 - DigenRL's simulated step time / the same without TAG."""
     w = dataclasses.replace(wl, num_steps=num_steps)
