@@ -6,14 +6,16 @@ checked against the rules that keep the GPU path equal to the tested one:
 - a compute-plane call carries tensors on the policy device, and comes only from the gradient
   all-reduce (Trainer.all_reduce_gradients) or from FSDP2 / DTensor internals;
 - nothing runs on the default (world) group.
-Three layouts: R=1 K=2 with FSDP + TAG + TCSS, colocated on 2 ranks, R=2 K=1.
+Three layouts: R=1 K=2 with FSDP + TAG + TCSS, colocated on 2 ranks, R=2 K=1. In the first, TAG and TCSS act
+at scripted moments (tests/inject/scripted_schedule.py), so their traffic is in the record on any machine: the
+test checks from the run's metrics that both ran (a layout named for them that never ran them proved nothing).
 """
 import json
 import os
 
 import pytest
 
-from conftest import ROOT, run_main
+from conftest import ROOT, read_metrics, run_main
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -51,6 +53,7 @@ LAYOUTS = {
 }
 COMMON = ["--steps", "2", "--group-size", "2", "--num-steps", "3", "--save-every", "2", "--timeout-s", "60",
           "--seed", "0"]
+SCRIPTED = {"fsdp_tag_tcss_r1_k2"}  # TAG and TCSS scripted (one rollout rank): they act whatever the timing
 
 
 @pytest.fixture(scope="module")
@@ -62,10 +65,20 @@ def recorded(tiny_cache, tmp_path_factory):
     for name, args in LAYOUTS.items():
         log = out / f"{name}.calls"
         log.mkdir()
-        run_main([*COMMON, *args, "--run-name", name], out, tiny_cache, env={**env, "DIGENRL_COMM_LOG": str(log)},
-                 timeout=300)
+        script = {"DIGENRL_TEST_INJECT": "scripted_schedule"} if name in SCRIPTED else {}
+        run_main([*COMMON, *args, "--run-name", name], out, tiny_cache,
+                 env={**env, **script, "DIGENRL_COMM_LOG": str(log)}, timeout=300)
         result[name] = [json.loads(line) for f in os.listdir(log) for line in open(log / f)]
+        result[f"{name}/metrics"] = read_metrics(out / name)
     return result
+
+
+def test_the_tag_and_tcss_layout_ran_tag_and_tcss(recorded):
+    """Step 1 trained a fragment generated one version stale and one the trainers generated themselves (scripted:
+    deterministic), so the contract above covers TAG's exchange between trainers and TCSS's generate-ahead."""
+    rows = recorded["fsdp_tag_tcss_r1_k2/metrics"]
+    assert rows[1]["stale_fragments"] >= 1 and rows[1]["tag_fragments"] >= 1, rows[1]
+    assert all(r["trajectories"] == 4 * 2 for r in rows)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
