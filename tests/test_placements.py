@@ -18,7 +18,7 @@ import os
 import pytest
 import torch
 
-from conftest import checkpoint_weights, read_metrics, run_main
+from conftest import ROOT, checkpoint_weights, read_metrics, run_main
 
 pytestmark = pytest.mark.timeout(900)
 SEED = os.environ.get("DIGENRL_TEST_SEED", "3")
@@ -137,18 +137,25 @@ def test_the_step_changed_the_weights(run_case, initial):
     assert any(not torch.equal(initial[k], v) for k, v in weights.items())
 
 
-# TAG acts when generation dominates: many sampling steps, few trained. Three steps, so that its predictor
-# has measured generation and training; group-granular shares (fragments of 2 groups, TAG may take 1).
-TAG_COMMON = ["--steps", "3", "--prompts-per-step", "4", "--group-size", "2", "--num-steps", "16",
-              "--timestep-fraction", "0.07", "--fragment-groups", "2", "--eval-every", "0", "--save-every", "3",
-              "--seed", SEED, "--timeout-s", "60", "--optimizer", "sgd", "--lr", "1", "--no-trace"]
+# TAG and TCSS at scripted moments (tests/inject/scripted_schedule.py): TAG's predictor gets scripted times and
+# decides at each step boundary, TCSS's generate-ahead is awaited; so TAG and stale fragments occur whatever the
+# machine's speed (they used to depend on timing: many sampling steps, few trained, and luck).
+SCRIPTED = {"PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "tests", "inject"), ROOT,
+                                           os.environ.get("PYTHONPATH", "")]),
+            "DIGENRL_TEST_INJECT": "scripted_schedule"}
+TAG_COMMON = ["--steps", "3", "--prompts-per-step", "4", "--group-size", "2", "--num-steps", "3",
+              "--fragment-groups", "2", "--eval-every", "0", "--save-every", "3", "--seed", SEED, "--timeout-s", "60",
+              "--optimizer", "sgd", "--lr", "1", "--no-trace"]
 
 
 def test_tag_acts_and_the_update_is_unchanged(tiny_cache, tmp_path, initial):
+    """TAG changes who generates, never what: catches TAG fragments of other trajectories, of the wrong weights
+    version, counted twice or trained with other weights than the rollout's would be."""
     run_main([*TAG_COMMON, "--mode", "colocated", "--nproc", "1", "--run-name", "reference"], tmp_path, tiny_cache)
-    run_main([*TAG_COMMON, *DISAGG, "--tsp", "--tag", "--nproc", "2", "--run-name", "tag"], tmp_path, tiny_cache)
+    run_main([*TAG_COMMON, *DISAGG, "--tsp", "--tag", "--nproc", "2", "--run-name", "tag"], tmp_path, tiny_cache,
+             env=SCRIPTED)
     rows, ref_rows = read_metrics(tmp_path / "tag"), read_metrics(tmp_path / "reference")
-    assert sum(r["tag_fragments"] for r in rows) >= 1, "TAG never generated: this test would prove nothing"
+    assert [r["tag_fragments"] for r in rows] == [0, 1, 1], "scripted: TAG generates steps 1 and 2 whole"
     assert all(r["trajectories"] == 8 for r in rows)  # TAG changes who generates, not how much
     for row, ref in zip(rows, ref_rows):
         assert row["reward_mean"] == pytest.approx(ref["reward_mean"], abs=1e-6)
@@ -160,11 +167,12 @@ def test_tag_acts_and_the_update_is_unchanged(tiny_cache, tmp_path, initial):
 def test_async_staleness_is_zero_or_one_and_bounded(tiny_cache, tmp_path):
     steps = ["--steps", "4", "--prompts-per-step", "3", "--group-size", "3", "--num-steps", "3", "--eval-every", "0",
              "--save-every", "0", "--timeout-s", "60", "--nproc", "2", "--no-trace"]
-    run_main([*steps, "--mode", "digenrl", "--max-stale-fragments", "1", "--run-name", "async"], tmp_path, tiny_cache)
+    run_main([*steps, "--mode", "digenrl", "--max-stale-fragments", "1", "--run-name", "async"], tmp_path, tiny_cache,
+             env=SCRIPTED)  # a stale fragment in every step after the first, whatever the timing
     run_main([*steps, "--placement", "disaggregated", "--gap", "--tsp", "--run-name", "sync"], tmp_path, tiny_cache)
     rows = read_metrics(tmp_path / "async")
     assert all(0 <= r["staleness_mean"] <= 1 for r in rows)
     assert all(r["stale_fragments"] <= 1 for r in rows)
     assert rows[0]["stale_fragments"] == 0  # nothing can be stale before the first update
-    assert sum(r["stale_fragments"] for r in rows) >= 1, "TCSS never generated ahead: the bound was not exercised"
+    assert [r["stale_fragments"] for r in rows] == [0, 1, 1, 1], "scripted: one stale fragment per step after 0"
     assert all(r["staleness_mean"] == 0 and r["stale_fragments"] == 0 for r in read_metrics(tmp_path / "sync"))
