@@ -15,6 +15,9 @@ atomic `add`), and plain callables stand in for the ranks. Each test names the b
 - dealt fragments: trainer k of K gets announcements k, k + K, ... (catches a fragment trained twice);
 - the TSP lockstep protocol trains each announced fragment once and counts groups, not fragments;
 - TAG's assisted generation generates each claimed group exactly once, at its global index;
+- TAG's leader (tag.Assistant) on scripted times: no claim before both sides are measured, then the predictor
+  sees the queue's counts and the measured times as they are (catches groups in flight counted as waiting, TAG's
+  own claims counted as the rollout's, the publish time ignored before a publish) and its share is claimed;
 - a non-finite step is skipped, and too many in a row abort.
 
 Run: python -m pytest -q tests/test_protocol.py
@@ -277,3 +280,43 @@ def test_assisted_generation_generates_each_claimed_group_once_at_its_global_ind
                                             lambda part, owner: parts[owner], gap.concat_fragments)
             assert whole.first_group == 5 and whole.num_groups == num_groups
             assert whole.rewards.tolist() == list(range(10, 10 + 2 * num_groups))
+
+
+# --- TAG's leader on scripted times -------------------------------------------------------------------
+def test_the_assistant_hands_the_predictor_the_queues_counts_and_scripted_times(monkeypatch):
+    counts = {"claimed": 0, "announced": 0}
+    claims = []
+
+    def claim(step, n):
+        first = counts["claimed"]
+        counts["claimed"] += n
+        claims.append((step, first, n))
+        return first, n
+
+    rollout_gen = {"s": None}
+    assistant = tag.Assistant(groups_per_step=8, fragment_groups=2, rollout_ranks=1, trainers=2, quantum=2,
+                              claim=claim, claimed=lambda step: counts["claimed"],
+                              announced_groups=lambda step: counts["announced"], rollout_gen_s=lambda: rollout_gen["s"])
+    seen = []
+    monkeypatch.setattr(tag, "assist_groups", lambda state, margin_s=0.0: seen.append(state) or 2)
+    assistant.trained_groups(4, 0.08)  # 0.02 s per group
+    assert not assistant.consider(3, 0) and not seen  # no rollout rank has reported: no decision, no claim
+    rollout_gen["s"] = 1.0  # a rollout rank reported 1 s per fragment of 2 groups
+    assistant.train = tag.RunningMean()
+    assert not assistant.consider(3, 0) and not seen  # training not measured yet (the trainers' generation may not be)
+    assistant.trained_groups(4, 0.08)
+    assistant.published(0.25)
+    counts.update(claimed=4, announced=2)  # the rollout rank: 4 groups claimed, 2 of them announced
+    assert assistant.consider(3, 0, before_publish=True)
+    assert claims == [(3, 4, 2)] and assistant.pending[3] == [(4, 2)] and assistant.taken[3] == 2
+    want = tag.StepState(unclaimed=4, in_flight=2, waiting=2, rollout_ranks=1, gen_rollout_s=1.0, gen_trainer_s=0.5,
+                         train_s=0.02, fragment_groups=2, trainers=2, quantum=2, rollout_start_s=0.25,
+                         trainer_start_s=0.25)
+    assert seen[-1] == want  # unmeasured trainer generation: a rollout group's time (1.0 / 2)
+    # mid-step: no publish ahead (start 0); TAG's own 2 groups are neither in flight nor waiting; 2 of the 4 groups
+    # done so far were TAG's, generated in 0.6 s by the 2 trainers (one group each)
+    assistant.generated_groups(3, 2, 0.6)
+    counts.update(claimed=6, announced=4)
+    assistant.consider(3, 4)
+    assert seen[-1] == tag.StepState(unclaimed=2, in_flight=0, waiting=2, rollout_ranks=1, gen_rollout_s=1.0,
+                                     gen_trainer_s=0.6, train_s=0.02, fragment_groups=2, trainers=2, quantum=2)
