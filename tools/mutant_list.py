@@ -46,6 +46,15 @@ K2_CLIPPED = PLACEMENTS + "test_clipping_scales_the_global_gradient_across_two_t
 PLAIN_E2E = PLACEMENTS + "test_the_one_process_update_is_minus_the_gradient_of_the_plain_objective"
 TAG_E2E = PLACEMENTS + "test_tag_acts_and_the_update_is_unchanged"
 RESUME = "tests/test_cli.py::test_resume_continues_with_the_same_metrics"
+TERMS = "tests/test_truth_terms.py::"
+KL = TERMS + "test_kl_value_and_gradient_are_the_plain_objectives_with_a_perturbed_reference"
+DANCE_GAP = TERMS + "test_dance_grpo_trainer_scores_the_rollouts_log_probs"
+DANCE_GRADIENT = TERMS + "test_dance_grpo_step_gradient_is_autograd_on_dance_grpos_objective"
+DANCE_E2E = "tests/test_family_rl.py::test_dance_grpo_hunyuanvideo_two_steps_with_an_animated_eval"
+FAILURE = "tests/test_failure_paths.py::test_a_failing_thread_ends_the_rollout_main_thread_with_its_name"
+SCALE = "tests/test_resume_scale.py::"
+FLUX_PIPELINE = "tests/test_families.py::test_flux_velocity_reproduces_flux_pipelines_own_sampling"
+INDEPENDENT = TRUTH + "test_the_fragment_and_the_trainers_log_probs_are_what_an_independent_sampler_gives"
 
 
 def bad_input(flags: str) -> str:
@@ -292,6 +301,66 @@ MUTANTS = [
       equivalent="no code path draws from the global RNGs after the start: noise comes from per-trajectory "
                  "generators seeded by (seed, step, index), DanceGRPO's slots from a seeded generator, and "
                  "training scores recorded samples; restoring them is defensive"),
+    # --- issue 27: the KL term, the DanceGRPO trainer path, the threads' failures, resume at scale ------------
+    M("trainer-kl-sign", "trainer.py",
+      "loss = loss + self.cfg.beta * (kl * weights).sum()", "loss = loss - self.cfg.beta * (kl * weights).sum()",
+      "the KL penalty with the wrong sign: each step pushes the policy away from the reference", KL),
+    M("trainer-kl-weight", "trainer.py",
+      "loss = loss + self.cfg.beta * (kl * weights).sum()", "loss = loss + self.cfg.beta * kl.mean()",
+      "the KL term without the pairs' 1/(N T_train) weights (K-fold and fragment-count dependent)", KL),
+    M("lora-reference-adapters-on", "models/__init__.py",
+      "            self.transformer.disable_adapters()\n", "",
+      "with LoRA the KL reference is the policy itself (adapters not disabled): the KL is always 0", KL + "[lora]"),
+    M("trainer-dance-scored-as-flow", "trainer.py",
+      "self.step_fn = step_fn(cfg.algo)", 'self.step_fn = step_fn("flow_grpo")',
+      "the trainer scores DanceGRPO pairs with the Flow-GRPO step (log-probs not the rollout's)", DANCE_GAP),
+    M("trainer-dance-score-sign", "grpo.py",
+      "mean = x + (v - 0.5 * eta**2 * score) * dsigma", "mean = x + (v + 0.5 * eta**2 * score) * dsigma",
+      "DanceGRPO's score term with the other sign, seen through the trainer path (rollout and trainer agree with "
+      "each other, not with DanceGRPO's flux_step)", DANCE_GRADIENT),
+    M("main-trainer-algo", "main.py",
+      "cfg.noise_level, cfg.algo, cfg.max_bad_steps", 'cfg.noise_level, "flow_grpo", cfg.max_bad_steps',
+      "main.py builds the trainers with another algo than the rollout's", DANCE_E2E),
+    M("rollout-sender-error-swallowed", "rollout.py",
+      "            self.error = exc\n", "            pass\n",
+      "the fragment sender swallows its error: the rollout rank waits for ever for weights that never come",
+      FAILURE + "[sender_sync_one_fragment_per_step]", timeout_s=300),
+    M("rollout-wait-ignores-sender", "rollout.py",
+      "mailbox.wait_for(step, also_check=sender.raise_if_failed)", "mailbox.wait_for(step)",
+      "waiting for weights, the rollout rank does not check its sender (hung when the step's last send failed)",
+      FAILURE + "[sender_sync_one_fragment_per_step]", timeout_s=300),
+    M("mailbox-error-swallowed", "async_policy.py",
+      "            self.error = exc\n", "            pass\n",
+      "the weight mailbox swallows its error: the rollout rank's failure no longer names it",
+      FAILURE + "[mailbox_sync]", timeout_s=300),
+    M("fsdp-checkpoint-local-shard", "trainer.py",
+      "                whole = v.full_tensor() if _is_sharded(v) else v", "                whole = v.to_local() if _is_sharded(v) else v",
+      "under FSDP the checkpoint holds each rank's local shard of the AdamW state, not the whole tensor",
+      SCALE + "test_fsdp_checkpoint_round_trip_is_bit_exact"),
+    M("resume-weights-on-leader-only", "main.py",
+      "        trainer.load_checkpoint_state(state)  # re-shards under FSDP",
+      "        if r.groups.is_leader: trainer.load_checkpoint_state(state)  # re-shards under FSDP",
+      "a resumed run loads the checkpoint on the leader only: the other trainers train from the initial weights",
+      SCALE + "test_digenrl_k2_with_tag_and_tcss_resumes_as_the_uninterrupted_run"),
+    M("tag-own-claims-in-flight", "tag.py",
+      "in_flight=max(claimed - announced - self.taken[step], 0)", "in_flight=max(claimed - announced, 0)",
+      "TAG's leader counts its own claimed groups as the rollout's, in flight",
+      PROTOCOL + "test_the_assistant_hands_the_predictor_the_queues_counts_and_scripted_times"),
+    M("clip-prompts-misaligned", "rewards/__init__.py",
+      "inputs = processor(text=prompts, ", "inputs = processor(text=prompts[::-1], ",
+      "the CLIP reward scores each image against another image's prompt",
+      "tests/test_rewards.py::test_clip_score_is_clips_cosine_of_each_image_with_its_own_prompt"),
+    M("flux-timestep-t", "models/flux.py",
+      "timestep=sigma.to(latents.dtype), guidance=guidance_vec", "timestep=(sigma * 1000).to(latents.dtype), "
+      "guidance=guidance_vec", "FLUX's transformer gets the timestep t instead of t/1000 (rollout and trainer alike)",
+      FLUX_PIPELINE),
+    M("flux-guidance-fixed", "models/flux.py",
+      "guidance_vec = torch.full((b,), guidance, device", "guidance_vec = torch.full((b,), 3.5, device",
+      "FLUX ignores --guidance (always 3.5)", FLUX_PIPELINE),
+    M("rollout-noise-one-stream-independent", "rollout.py",
+      "torch.randn(x.shape[1:], generator=g) for g in generators",
+      "torch.randn(x.shape[1:], generator=generators[0]) for g in generators",
+      "the noise of a trajectory depends on its batch: the independent FLUX sampler sees it", INDEPENDENT),
     # --- config validation -------------------------------------------------------------------------------
     M("config-fragment-divides-unchecked", "config.py",
       "    if c.prompts_per_step % c.fragment_groups:\n", "    if False:\n",
