@@ -6,7 +6,7 @@
   Catches: a checkpoint of each rank's local shard instead of the whole tensor, whole tensors not re-sharded on
   load (or sharded along another dimension), the Adam step count or moments lost under sharding.
 - DigenRL with K = 2 trainers, TAG and TCSS scripted (tests/inject/scripted_schedule.py: who generates which
-  groups with which weights is a function of the seed): a run stopped after step 2 and resumed equals the
+  groups with which weights is a function of the seed): a run resumed from its step-2 checkpoint equals the
   uninterrupted run, metrics and final weights, bit for bit. One scripted difference, by design: the checkpoint
   does not hold fragments generated ahead (TCSS), so a run resumed at step 2 generates step 2 on-policy; the
   uninterrupted reference is told not to generate ahead into step 2 (DIGENRL_SCRIPTED_NO_AHEAD=2), and steps 1
@@ -16,6 +16,7 @@
 """
 import io
 import os
+import shutil
 
 import pytest
 import torch
@@ -104,12 +105,15 @@ SCRIPTED = {"PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "tests", "inject")
             "DIGENRL_TEST_INJECT": "scripted_schedule", "DIGENRL_SCRIPTED_NO_AHEAD": "2"}
 DIGENRL_K2 = ["--mode", "digenrl", "--nproc", "3", "--rollout-ranks", "1", "--prompts-per-step", "4",
               "--group-size", "2", "--fragment-groups", "2", "--num-steps", "3", "--eval-every", "0",
-              "--save-every", "1", "--seed", "1", "--timeout-s", "60", "--no-trace"]
+              "--save-every", "2", "--keep-checkpoints", "4", "--seed", "1", "--timeout-s", "60", "--no-trace"]
 
 
 def test_digenrl_k2_with_tag_and_tcss_resumes_as_the_uninterrupted_run(tiny_cache, tmp_path):
     run_main([*DIGENRL_K2, "--steps", "4", "--run-name", "straight"], tmp_path, tiny_cache, env=SCRIPTED)
-    run_main([*DIGENRL_K2, "--steps", "2", "--run-name", "stopped"], tmp_path, tiny_cache, env=SCRIPTED)
+    # The run as a crash after its step-2 checkpoint leaves it (cheaper than a second run stopped there: the same
+    # checkpoint, as steps 0-1 have the same schedule): later checkpoints gone, the later metrics rows still there.
+    shutil.copytree(tmp_path / "straight", tmp_path / "stopped")
+    shutil.rmtree(tmp_path / "stopped" / "checkpoints" / "step_000004")
     run_main(["--resume", str(tmp_path / "stopped"), "--steps", "4"], tmp_path, tiny_cache, env=SCRIPTED)
     straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "stopped")
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
