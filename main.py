@@ -275,7 +275,7 @@ def trainer_rank(r: Rank):
                 first, count, k, me, generate=lambda f, c: r.generate(step, f, c, trainer.version, tag.TAG_PRODUCER),
                 share=lambda part, owner: gap.broadcast_fragment(part, groups.trainer_ranks[owner],
                                                                  groups.trainer_data),
-                concat=gap.concat_fragments)
+                concat=gap.concat_fragments, lockstep=cfg.fsdp)  # FSDP: equal forwards on every trainer
             if assistant:
                 assistant.generated_groups(step, count, time.perf_counter() - start)
             return fragment
