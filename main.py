@@ -97,10 +97,13 @@ def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple[str, int
     _name_process(f"dg{rank}-{roles[rank]}")  # what ps/top (and tools/soak.py) show for this rank
     store, watch = None, None
     if world > 1:
-        backend = comm.choose_backend(use_cuda, torch.cuda.device_count() if use_cuda else 0, world, os.environ,
-                                      cfg.backend)
         store = dist.TCPStore(master[0], master[1], world, is_master=(rank == 0 and not agent_store),
                               timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        gpus = comm.gather_device_identities(store, rank, world, comm.this_device_identity(device)) if use_cuda else []
+        backend, why = comm.choose_backend(use_cuda, [gpu for gpu, role in zip(gpus, roles) if role != "rollout"],
+                                           cfg.backend)
+        if rank == 0:
+            print(f"[digenrl] compute plane: {backend} ({why})", flush=True)
         dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
                                 timeout=comm.NO_DEADLINE)
         watch = Liveness(dist.PrefixStore("liveness", store), rank, roles, cfg.timeout_s, report_silent).start()

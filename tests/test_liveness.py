@@ -16,19 +16,27 @@ from conftest import ROOT, rank_pids, read_metrics
 pytestmark = pytest.mark.timeout(400)
 
 
-def test_nccl_is_chosen_from_the_gpus_per_node():
-    one_node = {"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"}
-    two_nodes = {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}  # the old check compared 16 ranks with 8 GPUs: gloo
-    assert comm.choose_backend(True, gpus_per_node=8, world=8, env=one_node) == "nccl"
-    assert comm.choose_backend(True, gpus_per_node=8, world=16, env=two_nodes) == "nccl"
-    assert comm.choose_backend(True, gpus_per_node=4, world=16, env=two_nodes) == "gloo"  # ranks would share GPUs
-    assert comm.choose_backend(True, gpus_per_node=1, world=2) == "gloo"  # self-spawned: all ranks on one host
-    assert comm.choose_backend(False, gpus_per_node=0, world=2) == "gloo"
-    assert comm.choose_backend(True, gpus_per_node=1, world=2, requested="nccl") == "nccl"
+def test_nccl_is_chosen_when_every_compute_rank_has_a_gpu_of_its_own():
+    """Catches the compute plane silently falling back to gloo with CUDA tensors (issue 22 item 5): the old rule
+    compared LOCAL_WORLD_SIZE with device_count(), which is 1 in every process under SLURM --gpus-per-task=1."""
+    ident = comm.device_identity
+    one_node = [ident(None, "a", None, i) for i in range(8)]  # torchrun --nproc_per_node 8: cuda:local_rank
+    two_nodes = one_node + [ident(None, "b", None, i) for i in range(8)]
+    one_visible_each = [ident(None, "a", str(i), 0) for i in range(8)]  # every process sees its GPU as cuda:0
+    by_uuid = [ident(f"GPU-{i:04d}", "a", "0", 0) for i in range(8)]
+    for layout in (one_node, two_nodes, one_visible_each, by_uuid):
+        backend, why = comm.choose_backend(True, layout)
+        assert backend == "nccl" and f"each of the {len(layout)}" in why, (layout, why)
+    assert len(set(one_visible_each)) == 8 and len(set(two_nodes)) == 16
+    shared = [ident(None, "a", None, 0)] * 3  # three ranks on one GPU: NCCL refuses
+    assert comm.choose_backend(True, shared)[0] == "gloo" and "share 1 GPU" in comm.choose_backend(True, shared)[1]
+    assert comm.choose_backend(True, [ident(None, "a", "0,1", 1), ident(None, "a", "1", 0)])[0] == "gloo"  # same GPU 1
+    assert comm.choose_backend(False, []) == ("gloo", "no CUDA device")
+    assert comm.choose_backend(True, shared, requested="nccl")[0] == "nccl"
     with pytest.raises(ValueError, match="--backend nccl needs CUDA"):
-        comm.choose_backend(False, 0, 2, requested="nccl")
+        comm.choose_backend(False, [], requested="nccl")
     with pytest.raises(ValueError, match="'mpi' is not one of"):
-        comm.choose_backend(True, 8, 8, requested="mpi")
+        comm.choose_backend(True, one_node, requested="mpi")
 
 
 SLOW_REWARD = "import time\n\ndef slow(images, prompts):\n    time.sleep({s})\n    return images.mean(dim=(1, 2, 3))\n"
