@@ -36,7 +36,6 @@ class Rank:
     store: object  # the torch.distributed store (None at world size 1)
     tracer: object
     policy: object
-    params: list
     reward_fn: object
     prompts: list[str]
     source: object  # infra.prompts.PromptSource: train and held-out prompts with their dataset rows
@@ -136,8 +135,7 @@ def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple[str, int
     if cfg.resume:
         from infra import rundir
         steps = range(rundir.checkpoint_step(rundir.check_resume(cfg.resume, cfg)), cfg.steps)
-    r = Rank(cfg, rank, world, groups, store, tracer, policy,
-             params=[p for p in policy.transformer.parameters() if p.requires_grad], reward_fn=reward_fn,
+    r = Rank(cfg, rank, world, groups, store, tracer, policy, reward_fn=reward_fn,
              prompts=source.train, source=source,
              sampling=rollout.SamplingConfig(cfg.num_steps, cfg.noise_level, cfg.timestep_fraction, cfg.algo,
                                              cfg.adv_clip),
@@ -176,9 +174,10 @@ def rollout_rank(r: Rank) -> None:
 
     cfg, groups = r.cfg, r.groups
     timing = r.prefixed("timing")
+    params = [p for p in r.policy.transformer.parameters() if p.requires_grad]  # what the leader publishes
     rollout.run_rollout_rank(
         rank=r.rank, steps=r.steps, queue=r.queue, fragment_groups=cfg.fragment_groups, generate=r.generate,
-        mailbox=async_policy.Mailbox(groups.leader, groups.publish, like=r.params), params=r.params,
+        mailbox=async_policy.Mailbox(groups.leader, groups.publish, like=params), params=params,
         sender=rollout.Sender(groups.world_data, r.tracer),
         destination_of=(lambda seq: groups.leader) if cfg.tsp  # TSP: the leader receives, then shares
         else (lambda seq: groups.trainer_ranks[seq % groups.num_trainers]),  # else dealt round-robin

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import async_policy
 import gap
 import grpo
+import models
 import tag
 from infra import emulate
 from rollout import step_fn
@@ -338,21 +339,35 @@ def run_colocated_rank(trainer: Trainer, *, steps: range, my_claims: Callable[[i
 
 def shard_for_fsdp(policy, compute_group, keep_reference: bool) -> None:
     """FSDP2 over the trainers' compute group: each transformer block is a unit (gathered only while it
-    runs), then the root."""
+    runs), then the root. With `keep_reference` (full fine-tuning with a KL term) the reference, the initial
+    weights in the policy dtype, is sharded the same way: built on the meta device, each unit filled from the
+    policy's still-whole unit and sharded at once, so no trainer ever holds more than one unit of it whole.
+    The caller must not keep references to the policy's parameters from before this call: FSDP2 frees a
+    parameter's whole storage only when nothing else holds it (main.py collects its lists afterwards)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if keep_reference:  # full fine-tuning with KL: the reference is the initial weights, copied before sharding
-        policy.freeze_reference()
     mesh = DeviceMesh.from_group(compute_group, policy.device.type)
     # bf16 base + fp32 LoRA: gather and compute in the policy dtype, reduce gradients in fp32.
     mp = MixedPrecisionPolicy(param_dtype=policy.dtype, reduce_dtype=torch.float32)
-    for name, module in policy.transformer.named_modules():
+    transformer = policy.transformer
+    reference = models.frozen_copy(transformer, policy.dtype, on_meta=True) if keep_reference else None
+    for name, module in transformer.named_modules():
         if isinstance(module, torch.nn.ModuleList) and name.endswith("blocks"):
-            for block in module:
+            for i, block in enumerate(module):
+                if reference is not None:
+                    unit = reference.get_submodule(f"{name}.{i}")
+                    models.fill_from(unit, block, policy.dtype)
+                    fully_shard(unit, mesh=mesh, mp_policy=mp)
                 fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(policy.transformer, mesh=mesh, mp_policy=mp)
-    for module in policy.transformer.modules():
+    if reference is not None:
+        models.fill_from(reference, transformer, policy.dtype)  # what is outside the blocks
+        # reshard after forward even at the root: the reference never runs a backward, which is what would
+        # reshard a root FSDP2 leaves gathered after its forward (its default for the root)
+        fully_shard(reference, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+        policy.reference_transformer = reference
+    fully_shard(transformer, mesh=mesh, mp_policy=mp)
+    for module in transformer.modules():
         if hasattr(module, "set_gradient_divide_factor"):
             module.set_gradient_divide_factor(1.0)  # sum, not mean: pairs already carry 1/(N T_train)
             module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives: gloo has no PREMUL_SUM

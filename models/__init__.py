@@ -141,8 +141,9 @@ class Policy:
         (main.py and Trainer do). With LoRA nothing is copied: the reference is the base with adapters off.
         """
         if self.reference_transformer is None and not has_lora(self.transformer):
-            # in the policy dtype: with fp32 master weights (enable_full_training) the values are bf16 ones anyway
-            self.reference_transformer = copy.deepcopy(self.transformer).requires_grad_(False).to(self.dtype)
+            # in the policy dtype: with fp32 master weights (enable_full_training) the values are bf16 ones anyway;
+            # copied tensor by tensor, never a whole copy in the fp32 master dtype (trainer.shard_for_fsdp shards it)
+            self.reference_transformer = frozen_copy(self.transformer, self.dtype)
 
     @contextlib.contextmanager
     def reference(self):
@@ -163,6 +164,27 @@ class Policy:
     def decode(self, latents) -> torch.Tensor:
         images = self.family.decode(self.pipe, latents.to(self.device), self.height, self.width, self.frames)
         return images.float().cpu()
+
+
+def frozen_copy(module: torch.nn.Module, dtype: torch.dtype, on_meta: bool = False) -> torch.nn.Module:
+    """A frozen copy of `module` (requires_grad off) whose parameters are in `dtype`, copied one tensor at a time
+    (buffers are copied as they are). `on_meta`: the parameters stay on the meta device, taking no memory, to be
+    filled unit by unit with `fill_from` (trainer.shard_for_fsdp shards each unit as soon as it is filled)."""
+    memo = {}
+    for p in module.parameters():
+        data = torch.empty_like(p, dtype=dtype, device="meta") if on_meta else p.detach().to(dtype, copy=True)
+        memo[id(p)] = torch.nn.Parameter(data, requires_grad=False)
+    return copy.deepcopy(module, memo)
+
+
+def fill_from(copy_: torch.nn.Module, source: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Give the meta-device parameters of `copy_` (a frozen_copy(on_meta=True) of `source` or of one of its
+    submodules) the values of `source`'s same-named parameters, in `dtype`."""
+    for name, p in list(copy_.named_parameters()):
+        if p.is_meta:
+            owner, _, leaf = name.rpartition(".")
+            value = source.get_parameter(name).detach().to(dtype, copy=True)
+            copy_.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
 
 
 def load(name: str, path: str, device="cpu", dtype=torch.float32, height: int | None = None,
