@@ -146,8 +146,10 @@ class Config:
     device: str = field("auto", "auto, cpu or cuda")
     dtype: str = field("auto", "auto (bfloat16 on cuda, float32 on cpu), float32 or bfloat16")
     threads: int = field(1, "torch CPU threads per rank")
-    timeout_s: float = field(300.0, "seconds a rank may show no sign of life (no heartbeat) before the job stops; "
-                             "never bounds a step, which may take minutes. Smaller = a dead rank is found sooner")
+    timeout_s: float = field(300.0, "seconds a rank may show no sign of life (no heartbeat), and the whole job no "
+                             "progress (no forward, pack, fragment or tensor anywhere: a hung collective), before "
+                             "the job stops; never bounds a step, which may take minutes. Smaller = a dead or "
+                             "stuck rank is found sooner; it must exceed one forward or pack")
     backend: str = field("auto", "compute-plane backend: auto (NCCL when every rank of a node has its own GPU, else "
                          "gloo), nccl, gloo. The data plane is always gloo with CPU tensors (comm.py)")
     seed: int = field(0, "seed of prompts order and noise: the same seed gives the same trajectories in every mode")

@@ -10,6 +10,7 @@ the trainers' data group (gloo, CPU).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -76,8 +77,11 @@ class MetricSums:
 
 
 class Trainer:
-    def __init__(self, policy, cfg: TrainConfig, compute_group=None, data_group=None, sharded: bool = False):
-        self.policy, self.cfg, self.sharded = policy, cfg, sharded
+    def __init__(self, policy, cfg: TrainConfig, compute_group=None, data_group=None, sharded: bool = False,
+                 progress=None):
+        """`progress` (infra.progress.Progress): bumped per pack and per gathered tensor, told which collective
+        the trainer is in (liveness names it when the job is stuck)."""
+        self.policy, self.cfg, self.sharded, self.progress = policy, cfg, sharded, progress
         self.compute_group, self.data_group = compute_group, data_group  # comm.py's two planes
         trainable = [(n, p) for n, p in policy.transformer.named_parameters() if p.requires_grad]
         self.names, self.params = [n for n, _ in trainable], [p for _, p in trainable]
@@ -93,6 +97,13 @@ class Trainer:
         self.version = 0  # the weights version this trainer holds (= optimizer steps taken)
         self.bad_steps_in_a_row = 0
         self.metrics = MetricSums()
+
+    def _inside(self, name: str):
+        return self.progress.inside(name) if self.progress is not None else contextlib.nullcontext()
+
+    def _bump(self) -> None:
+        if self.progress is not None:
+            self.progress.bump()
 
     # --- whole weights (FSDP shards are gathered: a collective, so every trainer calls these) ---------
     def iter_full_weights(self) -> Iterable[torch.Tensor]:
@@ -112,6 +123,7 @@ class Trainer:
             if keep:
                 weights[name] = whole.to("cpu")
             del whole
+            self._bump()
         optimizer = self.optimizer.state_dict()
         state = {}
         for i, entry in optimizer["state"].items():
@@ -121,6 +133,7 @@ class Trainer:
                 if keep:
                     state[i][k] = whole.to("cpu")
                 del whole
+                self._bump()
         if not keep:
             return None
         optimizer["state"] = state
@@ -168,6 +181,7 @@ class Trainer:
             weights = mask_t / total_pairs  # 1/(N T_train) per real pair, 0 for padding
             loss, stats, logp = self.pair_loss(batch, weights, stale)
             loss.backward()
+            self._bump()
             real = float(mask_t.sum())
             if real == 0:
                 continue
@@ -208,9 +222,11 @@ class Trainer:
     def step(self, reward_names: list[str]) -> dict[str, float]:
         """Sum gradients over the trainers, clip the global norm, AdamW step; returns the step metrics."""
         self.all_reduce_gradients()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)  # the global norm
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        self.metrics.reduce(self.data_group)
+        with self._inside("grad-norm all-reduce"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)  # the global norm
+            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        with self._inside("metrics all-reduce"):
+            self.metrics.reduce(self.data_group)
         finite = math.isfinite(grad_norm) and math.isfinite(self.metrics.sums.get("loss", 0.0))
         if finite:
             self.optimizer.step()
@@ -236,7 +252,8 @@ class Trainer:
             return
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                           for p in self.params])  # [total numel] on the policy device
-        dist.all_reduce(flat, group=self.compute_group)
+        with self._inside("all-reduce"):
+            dist.all_reduce(flat, group=self.compute_group)
         offset = 0
         for p in self.params:
             p.grad = flat[offset:offset + p.numel()].view_as(p).to(p.dtype)

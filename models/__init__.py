@@ -86,6 +86,7 @@ class Policy:
         self.negative_cond = self.encode_prompts([""]) if family.uses_true_cfg else None
         self.reference_transformer = None  # a frozen copy of the initial weights: full fine-tuning with a KL term
         self.autocast = False  # fp32 master weights with a bf16 policy: compute under bf16 autocast
+        self.on_forward = lambda: None  # called after every transformer forward (main.py: liveness progress)
 
     @property
     def transformer(self):
@@ -132,6 +133,7 @@ class Policy:
         with amp:  # fp32 master weights: matmuls run in the policy dtype, as on the rollout ranks
             out = self.family.forward(self.pipe, transformer, latents.to(self.device, self.dtype),
                                       sigma.to(self.device, torch.float32), cond, self.guidance, neg)
+        self.on_forward()
         return out.to(torch.float32)
 
     def freeze_reference(self) -> None:

@@ -216,9 +216,11 @@ MUTANTS = [
       "gradient clipping disabled", CLIPPING),
     M("trainer-clip-before-all-reduce", "trainer.py",
       "        self.all_reduce_gradients()\n"
-      "        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)",
-      "        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)\n"
-      "        self.all_reduce_gradients()",
+      "        with self._inside(\"grad-norm all-reduce\"):\n"
+      "            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)",
+      "        with self._inside(\"grad-norm all-reduce\"):\n"
+      "            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)\n"
+      "            self.all_reduce_gradients()",
       "each rank clips its local gradient before the all-reduce (not the global norm)", K2_CLIPPED),
     M("trainer-no-all-reduce", "trainer.py",
       "dist.all_reduce(flat, group=self.compute_group)", "pass",
