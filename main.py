@@ -22,6 +22,7 @@ import sys
 import time
 
 import config as config_lib
+import presets
 from infra.launch import launch
 
 
@@ -123,7 +124,8 @@ def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple[str, int
     tracer.align(groups.world_data)
 
     path = cfg.pretrained or models.tiny_pipeline_path(cfg.model, cfg.cache_dir)
-    policy = models.load(cfg.model, path, device, dtype, height=cfg.resolution or None, frames=cfg.frames or None,
+    policy = models.load(cfg.model, path, device, dtype, height=cfg.resolution or None, width=cfg.width or None,
+                         frames=cfg.frames or None,
                          max_sequence_length=cfg.text_len, guidance=cfg.guidance,
                          prompt_cache_size=cfg.prompt_cache_size)
     policy.on_forward = progress.bump  # every transformer forward is progress (generation, evaluation, training)
@@ -416,6 +418,10 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    print(f"[digenrl] {presets.describe(cfg)}", flush=True)
+    if cfg.dry_run:
+        print(f"[digenrl] dry run, nothing started; config {config_lib.to_json(cfg)}", flush=True)
+        return 0
     if cfg.pretrained is None:  # build the tiny pipeline once, before ranks race for it
         import models
         models.tiny_pipeline_path(cfg.model, cfg.cache_dir)
