@@ -364,7 +364,9 @@ def shard_for_fsdp(policy, compute_group, keep_reference: bool) -> None:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    mesh = DeviceMesh.from_group(compute_group, policy.device.type)
+    # a DeviceMesh may be passed in (tools/estimate_memory.py builds it outside FakeTensorMode)
+    mesh = compute_group if isinstance(compute_group, DeviceMesh) else DeviceMesh.from_group(compute_group,
+                                                                                            policy.device.type)
     # bf16 base + fp32 LoRA: gather and compute in the policy dtype, reduce gradients in fp32.
     mp = MixedPrecisionPolicy(param_dtype=policy.dtype, reduce_dtype=torch.float32)
     transformer = policy.transformer
