@@ -45,49 +45,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import gap  # noqa: E402
 import models  # noqa: E402
 from trainer import TrainConfig, Trainer, shard_for_fsdp  # noqa: E402
+from tools.real_models import FAMILIES  # noqa: E402
 from tsp import gather_pairs  # noqa: E402
 
 GIB = 2**30
 GPUS = {"80 GB": 81559 * 2**20, "141 GB": 143771 * 2**20}  # what nvidia-smi reports for H100 80GB, H200
 RESERVE_GIB = 4.0  # CUDA context, NCCL, allocator fragmentation: not tracked
-
-# diffusers transformer configs of the released checkpoints (their transformer/config.json), and what else each
-# rank loads whole in bf16: parameter counts from the components' configs, built on the meta device.
-FAMILIES = {
-    "flux": dict(cls="FluxTransformer2DModel", source="black-forest-labs/FLUX.1-dev transformer/config.json",
-                 config=dict(attention_head_dim=128, guidance_embeds=True, in_channels=64, joint_attention_dim=4096,
-                             num_attention_heads=24, num_layers=19, num_single_layers=38, patch_size=1,
-                             pooled_projection_dim=768, axes_dims_rope=(16, 56, 56)),
-                 blocks=("num_layers", "num_single_layers"),
-                 others={"T5-XXL encoder": 4_762_310_656, "CLIP-L text": 123_060_480, "VAE": 83_819_683},
-                 text=dict(dim=4096, pooled=768), vae_spatial=8),
-    "qwenimage": dict(cls="QwenImageTransformer2DModel", source="Qwen/Qwen-Image transformer/config.json",
-                      config=dict(attention_head_dim=128, axes_dims_rope=(16, 56, 56), guidance_embeds=False,
-                                  in_channels=64, joint_attention_dim=3584, num_attention_heads=24, num_layers=60,
-                                  out_channels=16, patch_size=2),
-                      blocks=("num_layers",),
-                      others={"Qwen2.5-VL-7B": 8_292_166_656, "VAE": 126_892_531},
-                      text=dict(dim=3584), vae_spatial=8),
-    "wan": dict(cls="WanTransformer3DModel", source="Wan-AI/Wan2.1-T2V-14B-Diffusers transformer/config.json",
-                config=dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
-                            out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40,
-                            cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
-                blocks=("num_layers",),
-                others={"UMT5-XXL encoder": 5_680_910_336, "VAE": 126_892_531},
-                text=dict(dim=4096), vae_spatial=8),
-    "hunyuanvideo": dict(cls="HunyuanVideoTransformer3DModel",
-                         source="hunyuanvideo-community/HunyuanVideo transformer/config.json",
-                         config=dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128,
-                                     num_layers=20, num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0,
-                                     patch_size=2, patch_size_t=1, qk_norm="rms_norm", guidance_embeds=True,
-                                     text_embed_dim=4096, pooled_projection_dim=768, rope_theta=256.0,
-                                     rope_axes_dim=(16, 56, 56)),
-                         blocks=("num_layers", "num_single_layers"),
-                         others={"Llama-3-8B text (llava)": 7_505_186_816, "CLIP-L text": 123_060_480,
-                                 "VAE": 246_478_803},
-                         text=dict(dim=4096, pooled=768), vae_spatial=8),
-}
-
 
 def transformer_config(model: str, pretrained_config: str | None, depth: float) -> dict:
     config = dict(FAMILIES[model]["config"])
@@ -136,9 +99,13 @@ def build_policy(model: str, config: dict, args) -> models.Policy:
                          args.resolution, args.width, args.frames, max_sequence_length=args.text_len)
 
 
-def add_lora_on_meta(policy, rank: int) -> None:
+def add_lora_on_meta(policy, rank: int, targets: str = "flow_grpo", bf16_adapters: bool = False) -> None:
     with torch.device("meta"):  # peft creates the adapters on the default device
-        models.add_lora(policy, rank, 2 * rank)
+        models.add_lora(policy, rank, 2 * rank, targets)
+    if bf16_adapters:  # not what digenrl trains (fp32 adapters): only to compare with bf16-adapter measurements
+        for p in policy.transformer.parameters():
+            if p.requires_grad:
+                p.data = p.data.to(torch.bfloat16)
 
 
 def materialize(module: torch.nn.Module) -> None:
@@ -203,7 +170,7 @@ def rollout_peak(model: str, config: dict, args) -> dict:
     """One denoising forward of a whole fragment on a rollout rank (bf16 weights, fp32 LoRA adapters)."""
     policy = build_policy(model, config, args)
     if args.lora:
-        add_lora_on_meta(policy, args.lora_rank)
+        add_lora_on_meta(policy, args.lora_rank, args.lora_targets, args.bf16_adapters)
     materialize(policy.transformer)
     m = args.fragment_groups * args.group_size
     x = torch.randn(m, *policy.latent_shape())  # [m, ...] float32 latents, as the sampler keeps them
@@ -231,7 +198,7 @@ def trainer_peak(model: str, config: dict, args, compute_group) -> dict:
     policy = build_policy(model, config, args)
     n_params = sum(p.numel() for p in policy.transformer.parameters())
     if args.lora:
-        add_lora_on_meta(policy, args.lora_rank)
+        add_lora_on_meta(policy, args.lora_rank, args.lora_targets, args.bf16_adapters)
     else:
         models.enable_full_training(policy, fp32_master=True)
     if args.grad_ckpt:
@@ -303,8 +270,9 @@ def estimate(args) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     trainers = args.nproc - args.rollout_ranks
-    if not dist.is_initialized():
-        dist.init_process_group("fake", rank=args.rollout_ranks, world_size=args.nproc, store=FakeStore())
+    if dist.is_initialized():  # a previous row of --table: another world size
+        dist.destroy_process_group()
+    dist.init_process_group("fake", rank=args.rollout_ranks, world_size=args.nproc, store=FakeStore())
     compute = dist.new_group(list(range(args.rollout_ranks, args.nproc)))
     if args.fsdp:  # outside FakeTensorMode, as torchtitan's estimation.py builds its mesh
         from torch.distributed.device_mesh import DeviceMesh
@@ -321,6 +289,8 @@ def estimate(args) -> dict:
     hand = hand_bytes(train["params"], train["trainable"] if args.lora else train["params"], args.lora,
                       args.fsdp, trainers, args.beta)
     out = {"model": args.model, "nproc": args.nproc, "trainers": trainers, "lora": args.lora, "fsdp": args.fsdp,
+           "lora_rank": args.lora_rank, "resolution": args.resolution, "width": args.width, "frames": args.frames,
+           "group_size": args.group_size, "tsp_pack": args.tsp_pack,
            "params_b": train["params"] / 1e9, "fragment_samples": rollout["samples"],
            "rollout_gib": (_total(rollout["peak"]) + others) / GIB,
            "trainer_gib": (_total(train["peak"]) + train["reference_bytes"] + others) / GIB, "others_gib": others / GIB,
@@ -346,7 +316,8 @@ def _kinds(snapshot: dict) -> dict:
 
 
 def _row(r: dict) -> str:
-    mode = ("LoRA r64" if r["lora"] else "full, FSDP" if r["fsdp"] else "full") + (", ckpt" if r["grad_ckpt"] else "")
+    lora = f"LoRA r{r.get('lora_rank', 64)}"
+    mode = (lora if r["lora"] else "full, FSDP" if r["fsdp"] else "full") + (", ckpt" if r["grad_ckpt"] else "")
     fits = " / ".join("yes" if r[f"fits_{g}"] else "no" for g in GPUS)
     ckpt = f"{r['trainer_ckpt_gib']:.1f}" if "trainer_ckpt_gib" in r else "-"
     return (f"| {r['model']} ({r['params_b']:.1f}B) | {mode} | {r['nproc']} (K={r['trainers']}) | "
@@ -367,6 +338,9 @@ def main(argv=None) -> int:
     p.add_argument("--fsdp", action="store_true")
     p.add_argument("--lora", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--lora-rank", type=int, default=64)
+    p.add_argument("--lora-targets", default="flow_grpo", help="as main.py --lora-targets")
+    p.add_argument("--bf16-adapters", action="store_true", help="LoRA adapters in bf16 (digenrl trains fp32 ones): "
+                   "to compare with tools/profiles/h200_flux1dev_12b.json, measured with bf16 adapters")
     p.add_argument("--resolution", type=int, default=0, help="0 = the family's native size (presets.py)")
     p.add_argument("--width", type=int, default=0)
     p.add_argument("--frames", type=int, default=0, help="0 = the published setting (presets.py)")
