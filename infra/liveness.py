@@ -34,6 +34,7 @@ from collections.abc import Callable
 # the kinds of report: silent for timeout_s, its process has exited, or no rank progressed for timeout_s
 FROZEN, GONE, STALLED = "frozen", "gone", "stalled"
 MAX_LISTED = 8  # ranks named in a stall report (the longest still first)
+NAME_THE_DEAD_WAIT_S = 2.0  # after an error, how long to look for a local peer that died (error path only)
 
 
 class Liveness:
@@ -105,7 +106,11 @@ class Liveness:
     def name_the_dead(self, error: BaseException) -> None:
         """After `error` in this rank's work: if a peer on this host has died, say which (a connection reset is
         usually the first sign of it, and torchrun's own report names the rank, not its role)."""
+        deadline = time.monotonic() + NAME_THE_DEAD_WAIT_S
         dead = self.dead_local_peers()
+        while not dead and time.monotonic() < deadline:  # a peer's sockets close before its process is reaped:
+            time.sleep(0.05)  # the connection reset can arrive a moment before /proc shows the process gone
+            dead = self.dead_local_peers()
         if dead:
             who = "; ".join(f"{self.describe(r)} died" for r in dead)
             print(f"[digenrl] {who}: {self.describe(self.rank)} stops ({type(error).__name__})",
