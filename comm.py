@@ -22,14 +22,18 @@ The rules (docs/DESIGN.md section 4; tests/test_comm_contract.py enforces them o
 5. Collectives have no deadline (`NO_DEADLINE`): a step may take many minutes. A dead or frozen rank
    is found by infra/liveness.py (heartbeats in the store) instead, within --timeout-s.
 
-NCCL is the default backend when every rank of a node has a GPU of its own: the GPUs per node are
-compared with the ranks per node (LOCAL_WORLD_SIZE under torchrun), not with the global world size.
+NCCL is the default backend when every compute-plane rank has a GPU of its own: the ranks exchange the
+identity of the GPU each will use (its UUID) through the store, so 1 x 8, 2 x 8 and one visible GPU per
+process (SLURM --gpus-per-task=1: device_count() is 1 everywhere) all give NCCL, and ranks sharing a GPU gloo.
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
+import socket
 
+import torch
 import torch.distributed as dist
 
 # A collective waits as long as its peers are alive; liveness (not a deadline) ends a job whose rank died.
@@ -38,19 +42,53 @@ DATA_PLANE = "data"
 COMPUTE_PLANE = "compute"
 
 
-def choose_backend(use_cuda: bool, gpus_per_node: int, world: int, env=None, requested: str = "auto") -> str:
-    """The default (compute-plane) backend: NCCL when every rank of a node has its own GPU, else gloo.
+def choose_backend(use_cuda: bool, compute_devices: list[str], requested: str = "auto") -> tuple[str, str]:
+    """The default (compute-plane) backend and why: NCCL when every rank of the compute plane has a GPU of its own.
 
-    The ranks per node are LOCAL_WORLD_SIZE under torchrun (in `env`), else `world` (self-spawned: one
-    host). `requested` "nccl" forces NCCL (e.g. two ranks on one GPU whose NCCL groups hold one rank each)."""
-    ranks_per_node = int((env or {}).get("LOCAL_WORLD_SIZE", world))
+    `compute_devices`: one identity per compute-plane rank (trainers; every rank when colocated) of the GPU
+    it will use (`device_identity`), gathered from all ranks. NCCL refuses two ranks on one GPU, so equal
+    identities mean gloo. How many GPUs a process *sees* says nothing: SLURM `--gpus-per-task=1` or a
+    Kubernetes pod shows each process one GPU (device_count() 1) although every rank has its own.
+    `requested` "nccl" forces NCCL (e.g. two ranks on one GPU whose NCCL groups hold one rank each)."""
     if requested not in ("auto", "nccl", "gloo"):
         raise ValueError(f"--backend {requested!r} is not one of auto, nccl, gloo")
     if requested != "auto":
         if requested == "nccl" and not use_cuda:
             raise ValueError("--backend nccl needs CUDA (--device cuda); on CPU use gloo")
-        return requested
-    return "nccl" if use_cuda and 0 < ranks_per_node <= gpus_per_node else "gloo"
+        return requested, f"--backend {requested}"
+    if not use_cuda:
+        return "gloo", "no CUDA device"
+    shared = len(compute_devices) - len(set(compute_devices))
+    if shared:
+        return "gloo", (f"{len(compute_devices)} compute-plane ranks share {len(set(compute_devices))} GPU(s): "
+                        "NCCL needs one GPU per rank (gloo with CUDA tensors is much slower)")
+    return "nccl", f"each of the {len(compute_devices)} compute-plane ranks has a GPU of its own"
+
+
+def device_identity(uuid: str | None, host: str, visible_devices: str | None, index: int) -> str:
+    """Which physical GPU `cuda:index` of this process is: its UUID when the driver reports one, else the host
+    and the index CUDA_VISIBLE_DEVICES maps it to (each process may see a different one as cuda:0)."""
+    if uuid:
+        return str(uuid)
+    visible = [v.strip() for v in visible_devices.split(",")] if visible_devices else []
+    return f"{host}:gpu{visible[index] if index < len(visible) else index}"
+
+
+def this_device_identity(device) -> str:
+    """device_identity of the CUDA device this process will use."""
+    device = torch.device(device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    return device_identity(str(uuid) if uuid is not None else None, socket.gethostname(),
+                           os.environ.get("CUDA_VISIBLE_DEVICES"), index)
+
+
+def gather_device_identities(store, rank: int, world: int, mine: str) -> list[str]:
+    """Every rank's device identity, through the store (before any process group exists)."""
+    store.set(f"device/{rank}", mine)
+    keys = [f"device/{r}" for r in range(world)]
+    store.wait(keys)
+    return [store.get(k).decode() for k in keys]
 
 
 @dataclasses.dataclass

@@ -14,6 +14,8 @@ import math
 import os
 from typing import Optional
 
+import presets
+
 MODES = {
     # mode: (placement, gap, tsp, tag, async)
     "digenrl": ("disaggregated", True, True, True, True),
@@ -30,7 +32,8 @@ def field(default, help_text, **kw):
 @dataclasses.dataclass
 class Config:
     # what to train
-    model: str = field("flux", "model family: flux, qwenimage, wan, hunyuanvideo")
+    model: Optional[str] = field(None, "model family: flux, qwenimage, wan, hunyuanvideo; unset = the family "
+                                 "--pretrained's model_index.json names, else flux")
     pretrained: Optional[str] = field(None, "local diffusers pipeline directory; unset = the tiny offline "
                                       "pipeline (built once into the cache)")
     cache_dir: Optional[str] = field(None, "where tiny pipelines are built (default ~/.cache/digenrl or "
@@ -89,34 +92,48 @@ class Config:
     # the RL problem size
     steps: int = field(200, "RL steps (optimizer steps)")
     prompts_per_step: int = field(3, "B: prompts (groups) per step")
-    group_size: int = field(8, "G: samples per prompt; larger = better advantage estimates, more compute")
-    num_steps: int = field(6, "T: SDE sampling steps per trajectory")
+    group_size: Optional[int] = field(None, "G: samples per prompt; larger = better advantage estimates, more "
+                                      "compute; unset = the published setting with --pretrained (presets.py: "
+                                      "FLUX 24, Qwen-Image 16, ...), 8 for the tiny pipelines")
+    num_steps: Optional[int] = field(None, "T: SDE sampling steps per trajectory; more = better samples, T forwards "
+                                     "per trajectory; unset = the published setting with --pretrained "
+                                     "(presets.py: FLUX 6, Qwen-Image 10, Wan 20), 6 for the tiny pipelines")
     timestep_fraction: Optional[float] = field(None, "share of the sampling steps that are trained, by the "
                                                "references' formulas: flow_grpo T_train = int(T * f), the first "
                                                "steps; dance_grpo int((T - 1) * f) random steps, never the last; "
                                                "unset = 0.99 for flow_grpo (Flow-GRPO's configs: all but the last "
-                                               "step), 0.6 for dance_grpo (DanceGRPO's script). Smaller = cheaper "
-                                               "training, noisier gradient")
+                                               "step), 0.6 for dance_grpo (DanceGRPO's scripts; presets.py). Smaller "
+                                               "= cheaper training, noisier gradient")
     noise_level: Optional[float] = field(None, "SDE noise level a (Flow-GRPO) or eta (DanceGRPO): more "
-                                         "exploration, lower image quality; unset = 0.7 (Flow-GRPO's) with "
-                                         "--pretrained, 0.5 for the tiny pipelines (measured: at 0.7 the tiny "
-                                         "video models barely learned the colour task in 200 steps, the added "
-                                         "noise decides their colours)")
+                                         "exploration, lower image quality; unset = the published setting with "
+                                         "--pretrained (presets.py: Flow-GRPO FLUX 0.9, Qwen-Image 1.2, Wan 0.7), "
+                                         "0.5 for the tiny pipelines (measured: at 0.7 the tiny video models "
+                                         "barely learned the colour task in 200 steps, the added noise decides "
+                                         "their colours)")
     algo: str = field("flow_grpo", "flow_grpo (default) or dance_grpo (constant eta, shared group noise, random "
                       "timestep subset)")
-    resolution: int = field(0, "image height = width in pixels; 0 = the family's tiny default (32)")
-    frames: int = field(0, "video frames (video families); 0 = the family default")
+    resolution: int = field(0, "image height in pixels (and width, unless --width); larger = finer images, "
+                            "quadratically more tokens; 0 = the family's native size with --pretrained (FLUX and "
+                            "Qwen-Image 1024, Wan 480 x 832, HunyuanVideo 720 x 1280), 32 for the tiny pipelines")
+    width: int = field(0, "image width in pixels; 0 = --resolution's (square), or the native width with "
+                       "--pretrained; FLUX and Qwen-Image are square only")
+    frames: int = field(0, "video frames (video families); 0 = the published setting with --pretrained (Wan 33, "
+                        "HunyuanVideo 53: presets.py), the family's tiny default otherwise")
     guidance: Optional[float] = field(None, "embedded guidance (FLUX, HunyuanVideo) or true-CFG scale "
-                                      "(Qwen-Image, Wan); unset = family default")
+                                      "(Qwen-Image, Wan); unset = the published setting with --pretrained "
+                                      "(presets.py), the family default for the tiny pipelines")
     text_len: int = field(512, "max text tokens (capped by the tokenizer); longer = slower text encoding, more memory")
     prompt_cache_size: int = field(64, "distinct prompts whose text embeddings stay cached on the device (least "
                                    "recently used evicted first): more = fewer text-encoder passes when prompts "
                                    "repeat, more memory (FLUX T5 at 512 tokens: ~4 MB per prompt in bf16); 0 = "
                                    "encode every time")
     # optimisation
-    lr: float = field(3e-3, "AdamW learning rate (tiny full fine-tuning learns at 3e-3; real LoRA runs use ~1e-4)")
-    clip_range: float = field(1e-2, "PPO clip range on the averaged log-prob ratio (Flow-GRPO uses 1e-4 on real "
-                              "models)")
+    lr: Optional[float] = field(None, "AdamW learning rate; unset = the published setting with --pretrained "
+                                "(presets.py: Flow-GRPO 3e-4 for FLUX LoRA, DanceGRPO 1e-5 full), 3e-3 for the tiny "
+                                "pipelines (tiny full fine-tuning learns at 3e-3)")
+    clip_range: Optional[float] = field(None, "PPO clip range on the averaged log-prob ratio; unset = the published "
+                                        "setting with --pretrained (presets.py: Flow-GRPO 1e-4), 1e-2 for the tiny "
+                                        "pipelines")
     max_grad_norm: float = field(1.0, "gradient norm clip")
     beta: float = field(0.0, "KL weight to the reference policy; >0 costs one more forward per pair")
     adv_clip: float = field(5.0, "advantages are clipped to +-adv_clip")
@@ -146,8 +163,10 @@ class Config:
     device: str = field("auto", "auto, cpu or cuda")
     dtype: str = field("auto", "auto (bfloat16 on cuda, float32 on cpu), float32 or bfloat16")
     threads: int = field(1, "torch CPU threads per rank")
-    timeout_s: float = field(300.0, "seconds a rank may show no sign of life (no heartbeat) before the job stops; "
-                             "never bounds a step, which may take minutes. Smaller = a dead rank is found sooner")
+    timeout_s: float = field(300.0, "seconds a rank may show no sign of life (no heartbeat), and the whole job no "
+                             "progress (no forward, pack, fragment or tensor anywhere: a hung collective), before "
+                             "the job stops; never bounds a step, which may take minutes. Smaller = a dead or "
+                             "stuck rank is found sooner; it must exceed one forward or pack")
     backend: str = field("auto", "compute-plane backend: auto (NCCL when every rank of a node has its own GPU, else "
                          "gloo), nccl, gloo. The data plane is always gloo with CPU tensors (comm.py)")
     seed: int = field(0, "seed of prompts order and noise: the same seed gives the same trajectories in every mode")
@@ -171,6 +190,8 @@ class Config:
     trace: Optional[bool] = field(None, "record per-rank spans -> trace.json + timeline.png; unset = on for runs "
                                   "of <= 200 steps")
     progress: bool = field(True, "tqdm progress bar on the leader")
+    dry_run: bool = field(False, "validate, print the resolved configuration and the preset in force, and exit "
+                          "without starting any rank")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -213,6 +234,13 @@ def resolve(cfg: Config) -> Config:
         c.placement = c.placement or "disaggregated"
         for name in MECHANISM_FIELDS[1:]:
             setattr(c, name, bool(getattr(c, name)))
+    if c.model is None:
+        c.model = family_of_pipeline(c.pretrained) or "flux"
+    preset = presets.for_run(c.model, c.pretrained is not None, c.algo)
+    sized = {"frames"} | (set() if c.resolution or c.width else {"resolution", "width"})  # a size given: square
+    for name, setting in preset.values.items():  # what no flag set: the published (or tiny) setting
+        if getattr(c, name) is None or (name in sized and getattr(c, name) == 0):
+            setattr(c, name, setting.value)
     if c.lora is None:
         c.lora = c.pretrained is not None or c.init_lora is not None
     if c.lora and (c.lora_rank is None or c.lora_alpha is None):
@@ -222,17 +250,29 @@ def resolve(cfg: Config) -> Config:
         c.lora_alpha = alpha if c.lora_alpha is None else c.lora_alpha
     if c.tsp_pack is None:
         c.tsp_pack = 4 if c.pretrained is not None else 20
-    if c.noise_level is None:
-        c.noise_level = 0.7 if c.pretrained is not None else 0.5
     if c.eval_seeds is None:
         c.eval_seeds = 1 if c.pretrained is not None else 8
     if c.max_stale_fragments is None:
         c.max_stale_fragments = c.rollout_ranks
     if c.trace is None:
         c.trace = c.steps <= 200
-    if c.timestep_fraction is None:
-        c.timestep_fraction = 0.6 if c.algo == "dance_grpo" else 0.99
     return c
+
+
+PIPELINE_FAMILIES = {"FluxPipeline": "flux", "QwenImagePipeline": "qwenimage", "WanPipeline": "wan",
+                     "HunyuanVideoPipeline": "hunyuanvideo"}
+
+
+def family_of_pipeline(path: str | None) -> str | None:
+    """The family whose pipeline a local diffusers directory's model_index.json names (None if unknown or remote)."""
+    index = os.path.join(path, "model_index.json") if path else ""
+    if not os.path.isfile(index):
+        return None
+    try:
+        with open(index) as f:
+            return PIPELINE_FAMILIES.get(json.load(f).get("_class_name"))
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _bad(message: str):
@@ -298,6 +338,15 @@ def validate(c: Config, world_size: int) -> None:
             _bad("--device cuda was asked for but torch sees no CUDA device")
     if c.resolution and (c.resolution < 16 or c.resolution % 16):
         _bad(f"--resolution must be a multiple of 16 (>= 16), got {c.resolution}")
+    if c.width and (c.width < 16 or c.width % 16):
+        _bad(f"--width must be a multiple of 16 (>= 16), got {c.width}")
+    if c.width and c.width != (c.resolution or family.tiny_resolution) and not family.is_video:
+        _bad(f"--width {c.width} differs from the height {c.resolution or family.tiny_resolution}: {c.model} images "
+             "are square here (use --resolution alone)")
+    named = family_of_pipeline(c.pretrained)
+    if named is not None and named != c.model:
+        _bad(f"--model {c.model} but --pretrained {c.pretrained!r} is a {named} pipeline (its model_index.json); "
+             f"pass --model {named} or leave --model out")
     if c.prompts_per_step % c.fragment_groups:
         _bad(f"--fragment-groups {c.fragment_groups} must divide --prompts-per-step {c.prompts_per_step} "
              "(a fragment is a whole number of groups and a step a whole number of fragments)")
@@ -361,7 +410,7 @@ def reward_probe(c: Config, source):
     family = models.get_family(c.model)
     size = c.resolution or family.tiny_resolution
     frames = (c.frames or family.tiny_frames) if family.is_video else 0
-    return rewards.probe_batch(source.train, source.train_metadata, size, size, frames)
+    return rewards.probe_batch(source.train, source.train_metadata, size, c.width or size, frames)
 
 
 def to_json(c: Config) -> str:

@@ -22,6 +22,7 @@ import sys
 import time
 
 import config as config_lib
+import presets
 from infra.launch import launch
 
 
@@ -35,8 +36,8 @@ class Rank:
     groups: object  # comm.Groups
     store: object  # the torch.distributed store (None at world size 1)
     tracer: object
+    progress: object  # infra.progress.Progress: what liveness watches (per forward, pack, fragment, tensor, step)
     policy: object
-    params: list
     reward_fn: object
     prompts: list[str]
     source: object  # infra.prompts.PromptSource: train and held-out prompts with their dataset rows
@@ -56,14 +57,21 @@ class Rank:
         import tag
         from infra import emulate
 
-        c = self.cfg
+        c, progress = self.cfg, self.progress
         spec = gap.fragment_spec(c.seed, step, first, count, len(self.prompts), c.prompts_per_step, c.group_size,
                                  shared_group_noise=(c.algo == "dance_grpo"))
         kind = "tag" if producer == tag.TAG_PRODUCER else "generate"
         with self.tracer.span(kind, step=step, first_group=first, version=version, samples=len(spec.prompt_ids)):
             with emulate.paced(self.speed):  # --rank-speed: the benchmark's emulation of a slower rank
-                return rollout.generate_fragment(self.policy, spec, self.prompts, self.sampling, self.reward_fn,
-                                                 version, producer)
+                fragment = rollout.generate_fragment(self.policy, spec, self.prompts, self.sampling, self.score,
+                                                     version, producer)
+        progress.bump(step)
+        return fragment
+
+    def score(self, *args, **kwargs):
+        """The reward function, excused from reporting progress (a user's function reports none)."""
+        with self.progress.excused("reward"):
+            return self.reward_fn(*args, **kwargs)
 
     def prefixed(self, name: str):
         import torch.distributed as dist
@@ -82,6 +90,7 @@ def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple[str, int
     import rewards
     import rollout
     from infra.liveness import Liveness, on_sigterm_name_the_dead
+    from infra.progress import Progress
     from infra.tracing import Tracer, gather_spans, write_chrome_trace, write_timeline_png
 
     cfg = cfg if isinstance(cfg, config_lib.Config) else config_lib.from_dict(cfg)
@@ -95,25 +104,31 @@ def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple[str, int
         torch.backends.cuda.enable_cudnn_sdp(False)  # docs/DESIGN.md section 7: cuDNN SDPA backward crashed on H200
     roles = [comm.role_of(cfg.placement, cfg.rollout_ranks, r, world) for r in range(world)]
     _name_process(f"dg{rank}-{roles[rank]}")  # what ps/top (and tools/soak.py) show for this rank
-    store, watch = None, None
+    store, watch, progress = None, None, Progress()
     if world > 1:
-        backend = comm.choose_backend(use_cuda, torch.cuda.device_count() if use_cuda else 0, world, os.environ,
-                                      cfg.backend)
         store = dist.TCPStore(master[0], master[1], world, is_master=(rank == 0 and not agent_store),
                               timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        gpus = comm.gather_device_identities(store, rank, world, comm.this_device_identity(device)) if use_cuda else []
+        backend, why = comm.choose_backend(use_cuda, [gpu for gpu, role in zip(gpus, roles) if role != "rollout"],
+                                           cfg.backend)
+        if rank == 0:
+            print(f"[digenrl] compute plane: {backend} ({why})", flush=True)
         dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
                                 timeout=comm.NO_DEADLINE)
-        watch = Liveness(dist.PrefixStore("liveness", store), rank, roles, cfg.timeout_s, report_silent).start()
+        watch = Liveness(dist.PrefixStore("liveness", store), rank, roles, cfg.timeout_s, report_silent,
+                         progress=progress).start()
         if agent_store or "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: name the dead rank's role too
             on_sigterm_name_the_dead(watch, rank, roles[rank])
     groups = comm.build_groups(rank, world, cfg.placement, cfg.rollout_ranks)
-    tracer = Tracer(rank, groups.role, enabled=cfg.trace)
+    tracer = Tracer(rank, groups.role, enabled=cfg.trace, progress=progress)
     tracer.align(groups.world_data)
 
     path = cfg.pretrained or models.tiny_pipeline_path(cfg.model, cfg.cache_dir)
-    policy = models.load(cfg.model, path, device, dtype, height=cfg.resolution or None, frames=cfg.frames or None,
+    policy = models.load(cfg.model, path, device, dtype, height=cfg.resolution or None, width=cfg.width or None,
+                         frames=cfg.frames or None,
                          max_sequence_length=cfg.text_len, guidance=cfg.guidance,
                          prompt_cache_size=cfg.prompt_cache_size)
+    policy.on_forward = progress.bump  # every transformer forward is progress (generation, evaluation, training)
     torch.manual_seed(cfg.seed)  # identical LoRA init on every rank (the leader also publishes version 0)
     if cfg.lora:
         models.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
@@ -133,8 +148,7 @@ def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple[str, int
     if cfg.resume:
         from infra import rundir
         steps = range(rundir.checkpoint_step(rundir.check_resume(cfg.resume, cfg)), cfg.steps)
-    r = Rank(cfg, rank, world, groups, store, tracer, policy,
-             params=[p for p in policy.transformer.parameters() if p.requires_grad], reward_fn=reward_fn,
+    r = Rank(cfg, rank, world, groups, store, tracer, progress, policy, reward_fn=reward_fn,
              prompts=source.train, source=source,
              sampling=rollout.SamplingConfig(cfg.num_steps, cfg.noise_level, cfg.timestep_fraction, cfg.algo,
                                              cfg.adv_clip),
@@ -146,6 +160,7 @@ def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple[str, int
         if watch is not None:
             watch.name_the_dead(error)
         raise
+    progress.finish()  # shutdown reports no progress: liveness watches only the heartbeat from here on
 
     # Shutdown: the loops have joined their background threads; only the main threads talk from here on.
     spans = gather_spans(tracer, group=groups.world_data, dst=groups.leader) if cfg.trace else None
@@ -173,9 +188,11 @@ def rollout_rank(r: Rank) -> None:
 
     cfg, groups = r.cfg, r.groups
     timing = r.prefixed("timing")
+    params = [p for p in r.policy.transformer.parameters() if p.requires_grad]  # what the leader publishes
+    r.progress.start()
     rollout.run_rollout_rank(
         rank=r.rank, steps=r.steps, queue=r.queue, fragment_groups=cfg.fragment_groups, generate=r.generate,
-        mailbox=async_policy.Mailbox(groups.leader, groups.publish, like=r.params), params=r.params,
+        mailbox=async_policy.Mailbox(groups.leader, groups.publish, like=params), params=params,
         sender=rollout.Sender(groups.world_data, r.tracer),
         destination_of=(lambda seq: groups.leader) if cfg.tsp  # TSP: the leader receives, then shares
         else (lambda seq: groups.trainer_ranks[seq % groups.num_trainers]),  # else dealt round-robin
@@ -197,12 +214,13 @@ def trainer_rank(r: Rank):
     from trainer import (TrainConfig, Trainer, run_colocated_rank, run_trainer_rank, shard_for_fsdp,
                          train_fragment)
 
-    cfg, groups, policy, queue, tracer = r.cfg, r.groups, r.policy, r.queue, r.tracer
+    cfg, groups, policy, queue, tracer, progress = r.cfg, r.groups, r.policy, r.queue, r.tracer, r.progress
     if cfg.fsdp:
         shard_for_fsdp(policy, groups.compute, keep_reference=cfg.beta > 0 and not cfg.lora)
     trainer = Trainer(policy, TrainConfig(cfg.lr, cfg.weight_decay, 1e-8, cfg.clip_range, cfg.max_grad_norm, cfg.beta,
                                           cfg.noise_level, cfg.algo, cfg.max_bad_steps, cfg.optimizer),
-                      compute_group=groups.compute, data_group=groups.trainer_data, sharded=cfg.fsdp)
+                      compute_group=groups.compute, data_group=groups.trainer_data, sharded=cfg.fsdp,
+                      progress=progress)
     if cfg.resume:  # rollout ranks take the weights from the leader's first publish
         state = torch.load(os.path.join(rundir.check_resume(cfg.resume, cfg), "state.pt"), map_location="cpu",
                            weights_only=False, mmap=True)  # mmap: each tensor is read when it is copied in
@@ -210,13 +228,14 @@ def trainer_rank(r: Rank):
         trainer.version = state["step"]
         rundir.set_rng_state(state["rng"])
         del state
+    progress.start()  # from here on this rank reports progress (loading a checkpoint did not)
     k, me, leader = groups.num_trainers, groups.trainer_index, groups.is_leader
     total_pairs = cfg.prompts_per_step * cfg.group_size * num_train_timesteps(r.sampling)
     fragments_per_step = gap.num_fragments(cfg.prompts_per_step, cfg.fragment_groups)
     run_dir = rundir.open_run_dir(cfg, r.steps) if leader else None
     bar = _progress_bar(cfg, r.steps) if leader and cfg.progress else None
     n_eval = cfg.eval_prompts or len(r.source.train)  # training prompts on held-out noises, then held-out prompts
-    evaluator = Evaluator(r.source.train[:n_eval], r.source.eval, r.sampling, r.reward_fn, cfg.eval_seeds,
+    evaluator = Evaluator(r.source.train[:n_eval], r.source.eval, r.sampling, r.score, cfg.eval_seeds,
                           run_dir.path if leader else None, metadata=r.source.train_metadata[:n_eval],
                           heldout_metadata=r.source.eval_metadata,
                           # TB/W&B steps are rows: the first evaluation goes with the first row, the one
@@ -273,18 +292,20 @@ def trainer_rank(r: Rank):
             start = time.perf_counter()
             fragment = tag.assisted_generation(
                 first, count, k, me, generate=lambda f, c: r.generate(step, f, c, trainer.version, tag.TAG_PRODUCER),
-                share=lambda part, owner: gap.broadcast_fragment(part, groups.trainer_ranks[owner],
-                                                                 groups.trainer_data),
-                concat=gap.concat_fragments)
+                share=lambda part, owner: _inside(progress, "tag share", gap.broadcast_fragment, part,
+                                                  groups.trainer_ranks[owner], groups.trainer_data),
+                concat=gap.concat_fragments, lockstep=cfg.fsdp)  # FSDP: equal forwards on every trainer
             if assistant:
                 assistant.generated_groups(step, count, time.perf_counter() - start)
             return fragment
 
         return tsp.lockstep_fragments(  # TSP: the trainer group moves in lockstep, the leader decides
             cfg.prompts_per_step, leader, next_command,
-            share_command=lambda c: tsp.broadcast_command(c, groups.leader, groups.trainer_data),
+            share_command=lambda c: _inside(progress, "command broadcast", tsp.broadcast_command, c, groups.leader,
+                                            groups.trainer_data),
             receive=lambda seq: receive(step, queue.wait(step, seq)),
-            share_fragment=lambda f: gap.broadcast_fragment(f, groups.leader, groups.trainer_data), generate=assist)
+            share_fragment=lambda f: _inside(progress, "fragment broadcast", gap.broadcast_fragment, f,
+                                             groups.leader, groups.trainer_data), generate=assist)
 
     def optimizer_step(step: int) -> dict:
         with tracer.span("optimizer", step=step):
@@ -300,7 +321,7 @@ def trainer_rank(r: Rank):
             return
         start = time.perf_counter()
         with tracer.span("publish", version=version):
-            tensors = trainer.iter_full_weights()
+            tensors = progress.each(trainer.iter_full_weights())  # progress per gathered tensor
             if leader:  # in the rollout's dtypes: bf16 weights for full fine-tuning even with fp32 masters here
                 async_policy.publish(tensors, len(trainer.params), version, groups.leader, groups.publish,
                                      dtypes=None if cfg.lora else [policy.dtype] * len(trainer.params))
@@ -326,7 +347,8 @@ def trainer_rank(r: Rank):
             if leader:
                 metrics.update(initial_eval)
                 initial_eval.clear()
-                rundir.record_step(run_dir, cfg, policy, step, metrics, state, tracer)
+                with progress.excused("write the run directory"):  # metrics, a checkpoint file: no progress inside
+                    rundir.record_step(run_dir, cfg, policy, step, metrics, state, tracer)
         if bar is not None:
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", tag=int(metrics["tag_fragments"]),
@@ -338,6 +360,7 @@ def trainer_rank(r: Rank):
         if assistant is not None:
             assistant.forget(step)
         tracer.mark_step(step)
+        progress.bump(step + 1)
         last["t"] = time.perf_counter()  # step_time_s excludes evaluation and checkpointing
 
     if groups.role == "colocated":
@@ -356,6 +379,12 @@ def trainer_rank(r: Rank):
     if bar is not None:
         bar.close()
     return run_dir
+
+
+def _inside(progress, name: str, call, *args):
+    """call(*args) with `progress` knowing this thread is inside `name` (a collective liveness can name)."""
+    with progress.inside(name):
+        return call(*args)
 
 
 def _name_process(name: str) -> None:
@@ -389,6 +418,10 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    print(f"[digenrl] {presets.describe(cfg)}", flush=True)
+    if cfg.dry_run:
+        print(f"[digenrl] dry run, nothing started; config {config_lib.to_json(cfg)}", flush=True)
+        return 0
     if cfg.pretrained is None:  # build the tiny pipeline once, before ranks race for it
         import models
         models.tiny_pipeline_path(cfg.model, cfg.cache_dir)

@@ -21,6 +21,10 @@ the one that ends the step soonest, 0 unless that beats not assisting. When trai
 bottleneck it declines (the trainers would only delay work about to arrive); when generation is, it
 takes the share that balances the two. tools/simulate.py runs the same predictor.
 
+Under FSDP every trainer must run the same forwards: the leader claims multiples of K, and a claim that
+comes back short (a rollout rank claimed in between) is padded: a trainer without a share generates a
+group anyway and drops it (`assisted_generation(lockstep=True)`).
+
 Departures from the paper: claims are whole groups (the unit of a fragment), not single samples;
 in-flight fragments are assumed half done (ranks do not report progress).
 
@@ -224,12 +228,20 @@ class Assistant:
 
 
 def assisted_generation(first_group: int, num_groups: int, trainers: int, me: int, generate: Callable,
-                        share: Callable, concat: Callable):
-    """Every trainer generates its contiguous share of the groups at the same time (under FSDP their
-    forwards must run together), then the shares are exchanged: share(part | None, owner) returns owner's
-    part on every trainer. Returns the whole fragment on every trainer."""
+                        share: Callable, concat: Callable, *, lockstep: bool):
+    """Every trainer generates its contiguous share of the groups at the same time, then the shares are
+    exchanged: share(part | None, owner) returns owner's part on every trainer. Returns the whole fragment
+    on every trainer.
+
+    `lockstep` (FSDP: a forward is a collective, so every trainer must run the same forwards): a trainer whose
+    share is empty (fewer groups than trainers: the leader asked for a multiple of K, but a rollout rank claimed
+    in between and the claim came back short) generates the claim's first group anyway and drops it, a
+    padding pass like TSP's weight-0 pairs. It costs no wall time: that trainer would otherwise wait for the
+    others' shares."""
     lo, hi = split_groups(num_groups, trainers, me)
     mine = generate(first_group + lo, hi - lo) if hi > lo else None
+    if mine is None and lockstep:
+        generate(first_group, 1)  # padding: the same denoising forwards as the others, result unused
     owners = [r for r in range(trainers)
               if split_groups(num_groups, trainers, r)[1] > split_groups(num_groups, trainers, r)[0]]
     return concat([share(mine if r == me else None, r) for r in owners])

@@ -10,6 +10,7 @@ the trainers' data group (gloo, CPU).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -21,6 +22,7 @@ import torch.distributed as dist
 import async_policy
 import gap
 import grpo
+import models
 import tag
 from infra import emulate
 from rollout import step_fn
@@ -75,8 +77,11 @@ class MetricSums:
 
 
 class Trainer:
-    def __init__(self, policy, cfg: TrainConfig, compute_group=None, data_group=None, sharded: bool = False):
-        self.policy, self.cfg, self.sharded = policy, cfg, sharded
+    def __init__(self, policy, cfg: TrainConfig, compute_group=None, data_group=None, sharded: bool = False,
+                 progress=None):
+        """`progress` (infra.progress.Progress): bumped per pack and per gathered tensor, told which collective
+        the trainer is in (liveness names it when the job is stuck)."""
+        self.policy, self.cfg, self.sharded, self.progress = policy, cfg, sharded, progress
         self.compute_group, self.data_group = compute_group, data_group  # comm.py's two planes
         trainable = [(n, p) for n, p in policy.transformer.named_parameters() if p.requires_grad]
         self.names, self.params = [n for n, _ in trainable], [p for _, p in trainable]
@@ -92,6 +97,13 @@ class Trainer:
         self.version = 0  # the weights version this trainer holds (= optimizer steps taken)
         self.bad_steps_in_a_row = 0
         self.metrics = MetricSums()
+
+    def _inside(self, name: str):
+        return self.progress.inside(name) if self.progress is not None else contextlib.nullcontext()
+
+    def _bump(self) -> None:
+        if self.progress is not None:
+            self.progress.bump()
 
     # --- whole weights (FSDP shards are gathered: a collective, so every trainer calls these) ---------
     def iter_full_weights(self) -> Iterable[torch.Tensor]:
@@ -111,6 +123,7 @@ class Trainer:
             if keep:
                 weights[name] = whole.to("cpu")
             del whole
+            self._bump()
         optimizer = self.optimizer.state_dict()
         state = {}
         for i, entry in optimizer["state"].items():
@@ -120,6 +133,7 @@ class Trainer:
                 if keep:
                     state[i][k] = whole.to("cpu")
                 del whole
+                self._bump()
         if not keep:
             return None
         optimizer["state"] = state
@@ -167,6 +181,7 @@ class Trainer:
             weights = mask_t / total_pairs  # 1/(N T_train) per real pair, 0 for padding
             loss, stats, logp = self.pair_loss(batch, weights, stale)
             loss.backward()
+            self._bump()
             real = float(mask_t.sum())
             if real == 0:
                 continue
@@ -207,9 +222,11 @@ class Trainer:
     def step(self, reward_names: list[str]) -> dict[str, float]:
         """Sum gradients over the trainers, clip the global norm, AdamW step; returns the step metrics."""
         self.all_reduce_gradients()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)  # the global norm
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        self.metrics.reduce(self.data_group)
+        with self._inside("grad-norm all-reduce"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)  # the global norm
+            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        with self._inside("metrics all-reduce"):
+            self.metrics.reduce(self.data_group)
         finite = math.isfinite(grad_norm) and math.isfinite(self.metrics.sums.get("loss", 0.0))
         if finite:
             self.optimizer.step()
@@ -235,7 +252,8 @@ class Trainer:
             return
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                           for p in self.params])  # [total numel] on the policy device
-        dist.all_reduce(flat, group=self.compute_group)
+        with self._inside("all-reduce"):
+            dist.all_reduce(flat, group=self.compute_group)
         offset = 0
         for p in self.params:
             p.grad = flat[offset:offset + p.numel()].view_as(p).to(p.dtype)
@@ -338,21 +356,37 @@ def run_colocated_rank(trainer: Trainer, *, steps: range, my_claims: Callable[[i
 
 def shard_for_fsdp(policy, compute_group, keep_reference: bool) -> None:
     """FSDP2 over the trainers' compute group: each transformer block is a unit (gathered only while it
-    runs), then the root."""
+    runs), then the root. With `keep_reference` (full fine-tuning with a KL term) the reference, the initial
+    weights in the policy dtype, is sharded the same way: built on the meta device, each unit filled from the
+    policy's still-whole unit and sharded at once, so no trainer ever holds more than one unit of it whole.
+    The caller must not keep references to the policy's parameters from before this call: FSDP2 frees a
+    parameter's whole storage only when nothing else holds it (main.py collects its lists afterwards)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    if keep_reference:  # full fine-tuning with KL: the reference is the initial weights, copied before sharding
-        policy.freeze_reference()
-    mesh = DeviceMesh.from_group(compute_group, policy.device.type)
+    # a DeviceMesh may be passed in (tools/estimate_memory.py builds it outside FakeTensorMode)
+    mesh = compute_group if isinstance(compute_group, DeviceMesh) else DeviceMesh.from_group(compute_group,
+                                                                                            policy.device.type)
     # bf16 base + fp32 LoRA: gather and compute in the policy dtype, reduce gradients in fp32.
     mp = MixedPrecisionPolicy(param_dtype=policy.dtype, reduce_dtype=torch.float32)
-    for name, module in policy.transformer.named_modules():
+    transformer = policy.transformer
+    reference = models.frozen_copy(transformer, policy.dtype, on_meta=True) if keep_reference else None
+    for name, module in transformer.named_modules():
         if isinstance(module, torch.nn.ModuleList) and name.endswith("blocks"):
-            for block in module:
+            for i, block in enumerate(module):
+                if reference is not None:
+                    unit = reference.get_submodule(f"{name}.{i}")
+                    models.fill_from(unit, block, policy.dtype)
+                    fully_shard(unit, mesh=mesh, mp_policy=mp)
                 fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(policy.transformer, mesh=mesh, mp_policy=mp)
-    for module in policy.transformer.modules():
+    if reference is not None:
+        models.fill_from(reference, transformer, policy.dtype)  # what is outside the blocks
+        # reshard after forward even at the root: the reference never runs a backward, which is what would
+        # reshard a root FSDP2 leaves gathered after its forward (its default for the root)
+        fully_shard(reference, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+        policy.reference_transformer = reference
+    fully_shard(transformer, mesh=mesh, mp_policy=mp)
+    for module in transformer.modules():
         if hasattr(module, "set_gradient_divide_factor"):
             module.set_gradient_divide_factor(1.0)  # sum, not mean: pairs already carry 1/(N T_train)
             module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives: gloo has no PREMUL_SUM

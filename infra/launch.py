@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from infra.liveness import FROZEN, GONE  # reports of a liveness watchdog: the message names the rank itself
+from infra.liveness import FROZEN, GONE, STALLED  # reports of a liveness watchdog: the message names the rank itself
 
 
 def free_port() -> int:
@@ -41,11 +41,14 @@ def _entry(target, rank, world, port, payload, failures, threads):
 
 
 def first_failure(exitcodes: list, reports: list, role_of: Callable[[int], str]) -> str | None:
-    """The failure to name: a frozen rank (a watchdog then SIGKILLs it), else a rank killed by SIGKILL,
-    else the earliest report, else any non-zero exit."""
+    """The failure to name: a frozen rank (a watchdog then SIGKILLs it), else a stuck job (no rank made
+    progress), else a rank killed by SIGKILL, else the earliest report, else any non-zero exit."""
     frozen = sorted(r for r in reports if r[3] == FROZEN)
     if frozen:
         return frozen[0][2]
+    stalled = sorted(r for r in reports if r[3] == STALLED)  # every rank's watchdog saw it: the first one's words
+    if stalled:
+        return stalled[0][2]
     killed = [r for r, code in enumerate(exitcodes) if code == -9]
     if killed:
         return f"rank {killed[0]} ({role_of(killed[0])}) was killed by signal 9"

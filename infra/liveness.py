@@ -1,19 +1,25 @@
-"""Liveness instead of deadlines: heartbeats in the store, and a watchdog that ends the job when a rank goes silent.
+"""Liveness instead of deadlines: heartbeats and progress in the store, and a watchdog that ends a job that is stuck.
 
-    watch = Liveness(store, rank, roles, timeout_s=300, on_silent=report).start()
-    ...                     # the rank's work: steps may take any time as long as every rank is alive
+    watch = Liveness(store, rank, roles, timeout_s=300, on_silent=report, progress=progress).start()
+    ...                     # the rank's work: steps may take any time as long as some rank makes progress
     watch.stop()            # after the last collective that needs the other ranks
 
-A step may take minutes (paper scale), so no wait in digenrl has a deadline (comm.NO_DEADLINE).
-What --timeout-s bounds is how long a rank may show *no sign of life*: each rank's watchdog thread
-adds 1 to its counter `alive/<rank>` in the torch.distributed store every `interval` seconds, over its
-own store connection (a blocking store call of the main thread never delays it), and reads every
-other rank's counter. A counter that has not moved for timeout_s means that rank froze (SIGSTOP, a
-hung driver), died on another host, or cannot reach the store; a rank on this host whose process is
-gone is known at once. The watchdog then reports the rank and its role (`on_silent(message, kind)`),
-SIGKILLs a frozen rank on this host (it would otherwise hold its peers' sockets and GPU memory), and
-ends its own process with os._exit: the main thread may be blocked inside a C++ collective that
-nothing else can interrupt.
+A step may take minutes (paper scale), so no wait in digenrl has a deadline (comm.NO_DEADLINE). Each rank's
+watchdog thread, over its own store connection (a blocking store call of the main thread never delays it),
+every `interval` seconds:
+- beats `alive/<rank>` (process alive, store reachable) and reads everyone's: a counter still for timeout_s
+  means that rank froze (SIGSTOP, a hung driver), died on another host, or cannot reach the store; a rank on
+  this host whose process is gone is known at once;
+- publishes `progress/<rank>`: its main thread's progress counter and what it is inside
+  (infra/progress.py), and reads everyone's. A heartbeat is no proof of work: a main thread blocked in a
+  collective (`Work.wait()`, `torch.cuda.synchronize()` release the GIL) leaves the heartbeat thread
+  beating. When no rank's progress has moved for timeout_s, the job is stuck: a rank waiting for another
+  is not, as long as that one progresses, and a hang anywhere stops every rank once the others run out
+  of work. The message names each rank, its role, what it was inside and its step, e.g.
+  `trainer rank 2 made no progress for 300 s inside "all-reduce" (step 17)`.
+The watchdog then reports (`on_silent(message, kind)`), SIGKILLs a frozen rank on this host (it would
+otherwise hold its peers' sockets and GPU memory), and ends its own process with os._exit: the main thread
+may be blocked inside a C++ collective that nothing else can interrupt.
 """
 from __future__ import annotations
 
@@ -25,20 +31,27 @@ import threading
 import time
 from collections.abc import Callable
 
-FROZEN, GONE = "frozen", "gone"  # the kinds of report: silent for timeout_s, or its process has exited
+# the kinds of report: silent for timeout_s, its process has exited, or no rank progressed for timeout_s
+FROZEN, GONE, STALLED = "frozen", "gone", "stalled"
+MAX_LISTED = 8  # ranks named in a stall report (the longest still first)
+NAME_THE_DEAD_WAIT_S = 2.0  # after an error, how long to look for a local peer that died (error path only)
 
 
 class Liveness:
     def __init__(self, store, rank: int, roles: list[str], timeout_s: float,
-                 on_silent: Callable[[str, str], None] | None = None, interval_s: float | None = None):
+                 on_silent: Callable[[str, str], None] | None = None, interval_s: float | None = None,
+                 progress=None):
         self.store = store.clone()  # a connection of its own: the main thread may block in store calls
         self.rank, self.roles, self.timeout_s = rank, roles, timeout_s
+        self.progress = progress  # infra.progress.Progress of this rank's main thread (None: heartbeats only)
         self.interval_s = interval_s or min(1.0, timeout_s / 5)
         self.on_silent = on_silent
         self.where: dict[int, tuple[str, int]] = {}  # rank -> (host, pid), as each rank registered it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="liveness-watchdog", daemon=True)
         self.store.set(f"where/{rank}", f"{socket.gethostname()} {os.getpid()}")
+        if progress is not None:
+            self._publish_progress()
 
     def start(self) -> "Liveness":
         self._thread.start()
@@ -57,6 +70,33 @@ class Liveness:
     def describe(self, rank: int) -> str:
         return f"rank {rank} ({self.roles[rank]})"
 
+    def _publish_progress(self) -> None:
+        if self.progress.is_excused():  # loading, shutting down, inside a reward: alive counts as progress
+            self.progress.tick()
+        self.store.set(f"progress/{self.rank}", f"{self.progress.value()}|{self.progress.describe()}")
+
+    def _read_progress(self, known: set[int]) -> dict[int, tuple[int, str]]:
+        """rank -> (progress value, what it is inside) of every rank that has published one (one round trip
+        once all have)."""
+        world = len(self.roles)
+        known.update(r for r in range(world) if r not in known and self.store.check([f"progress/{r}"]))
+        ranks = sorted(known)
+        values = self.store.multi_get([f"progress/{r}" for r in ranks]) if ranks else []
+        out = {}
+        for r, raw in zip(ranks, values):
+            value, _, doing = raw.decode().partition("|")
+            out[r] = (int(value), doing)
+        return out
+
+    def stall_message(self, still_s: dict[int, float], doing: dict[int, str]) -> str:
+        """The report of a stuck job: each rank, longest still first, with what it was inside and its step."""
+        order = sorted(still_s, key=lambda r: (-still_s[r], r))
+        named = [f"{self.roles[r]} rank {r} made no progress for {still_s[r]:.0f} s {doing.get(r, '')}".rstrip()
+                 for r in order[:MAX_LISTED]]
+        more = f"; and {len(order) - MAX_LISTED} more" if len(order) > MAX_LISTED else ""
+        return (f"no rank made progress for {min(still_s.values()):.0f} s (--timeout-s {self.timeout_s:g}), the "
+                f"job is stuck: {'; '.join(named)}{more}; seen by {self.describe(self.rank)}")
+
     def dead_local_peers(self) -> list[int]:
         """Ranks on this host whose process has exited (or is a zombie nobody reaped yet)."""
         here = socket.gethostname()
@@ -66,7 +106,11 @@ class Liveness:
     def name_the_dead(self, error: BaseException) -> None:
         """After `error` in this rank's work: if a peer on this host has died, say which (a connection reset is
         usually the first sign of it, and torchrun's own report names the rank, not its role)."""
+        deadline = time.monotonic() + NAME_THE_DEAD_WAIT_S
         dead = self.dead_local_peers()
+        while not dead and time.monotonic() < deadline:  # a peer's sockets close before its process is reaped:
+            time.sleep(0.05)  # the connection reset can arrive a moment before /proc shows the process gone
+            dead = self.dead_local_peers()
         if dead:
             who = "; ".join(f"{self.describe(r)} died" for r in dead)
             print(f"[digenrl] {who}: {self.describe(self.rank)} stops ({type(error).__name__})",
@@ -74,8 +118,11 @@ class Liveness:
 
     def _run(self) -> None:
         world = len(self.roles)
-        seen = [-1] * world  # last counter value read per rank
+        seen = [-1] * world  # last heartbeat counter read per rank
         moved = [time.monotonic()] * world  # when it last changed (this host's clock)
+        progress_seen, progress_moved = [-1] * world, [time.monotonic()] * world  # the same for progress
+        doing: dict[int, str] = {}
+        known: set[int] = set()  # ranks whose progress key exists
         store_ok = time.monotonic()
         while not self._stop.wait(self.interval_s):
             now = time.monotonic()
@@ -88,6 +135,12 @@ class Liveness:
                     if r not in self.where and self.store.check([f"where/{r}"]):
                         host, pid = self.store.get(f"where/{r}").decode().split()
                         self.where[r] = (host, int(pid))
+                if self.progress is not None:
+                    self._publish_progress()
+                    for r, (value, what) in self._read_progress(known).items():
+                        if value != progress_seen[r]:
+                            progress_seen[r], progress_moved[r] = value, now
+                        doing[r] = what
                 store_ok = now
             except Exception as error:  # noqa: BLE001  the store host (rank 0 or the agent) may be gone
                 if self._stop.is_set():
@@ -110,6 +163,8 @@ class Liveness:
                 self._fail(f"{self.describe(r)} showed no sign of life for {now - moved[r]:.0f} s "
                            f"(--timeout-s {self.timeout_s:g}): it froze, died or cannot reach the store; "
                            f"seen by {self.describe(self.rank)}", FROZEN)
+            if self.progress is not None and now - max(progress_moved) > self.timeout_s:
+                self._fail(self.stall_message({r: now - progress_moved[r] for r in range(world)}, doing), STALLED)
 
     def _kill_if_local(self, rank: int) -> None:
         host, pid = self.where.get(rank, ("", 0))

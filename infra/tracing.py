@@ -72,25 +72,31 @@ class _Span:
     """Context manager for one enabled span; a class with slots is several times cheaper
     than a @contextmanager generator."""
 
-    __slots__ = ("records", "kind", "args", "start")
+    __slots__ = ("records", "kind", "args", "start", "inside")
 
-    def __init__(self, records: list, kind: str, args: tuple):
-        self.records, self.kind, self.args = records, kind, args
+    def __init__(self, records: list, kind: str, args: tuple, inside=None):
+        self.records, self.kind, self.args, self.inside = records, kind, args, inside
 
     def __enter__(self) -> "_Span":
+        if self.inside is not None:
+            self.inside.__enter__()
         self.start = time.perf_counter()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         # Recorded even when the body raised: the time was spent either way.
         self.records.append((self.kind, self.start, time.perf_counter(), self.args))
+        if self.inside is not None:
+            self.inside.__exit__(exc_type, exc, tb)
 
 
 class Tracer:
     """Records (kind, start, end, args) spans and step marks for one rank."""
 
-    def __init__(self, rank: int, role: str, enabled: bool = True):
-        self.rank, self.role, self.enabled = rank, role, enabled
+    def __init__(self, rank: int, role: str, enabled: bool = True, progress=None):
+        """`progress` (infra.progress.Progress): every span, recorded or not, also tells it what its thread is
+        inside, which liveness reports when the job is stuck."""
+        self.rank, self.role, self.enabled, self.progress = rank, role, enabled, progress
         self.t0 = time.perf_counter()  # replaced by align(); exported times are relative to it
         # (kind, start, end, args as a tuple of items), times absolute. Items, not the dict:
         # the GC untracks tuples of plain values but never a tuple holding a dict, and
@@ -103,9 +109,10 @@ class Tracer:
     def span(self, kind: str, **args):
         """`with tracer.span("train", step=k):` records the time spent in the block."""
         _check_kind(kind)  # also when disabled, so a typo fails in tests run without tracing
+        inside = self.progress.inside(kind, args.get("step")) if self.progress is not None else None
         if not self.enabled:
-            return _NULL_SPAN
-        return _Span(self._records, kind, tuple(args.items()))
+            return inside if inside is not None else _NULL_SPAN
+        return _Span(self._records, kind, tuple(args.items()), inside)
 
     def add(self, kind: str, start: float, end: float, **args) -> None:
         """Record a span measured elsewhere (absolute `time.perf_counter()` values)."""

@@ -86,6 +86,7 @@ class Policy:
         self.negative_cond = self.encode_prompts([""]) if family.uses_true_cfg else None
         self.reference_transformer = None  # a frozen copy of the initial weights: full fine-tuning with a KL term
         self.autocast = False  # fp32 master weights with a bf16 policy: compute under bf16 autocast
+        self.on_forward = lambda: None  # called after every transformer forward (main.py: liveness progress)
 
     @property
     def transformer(self):
@@ -132,6 +133,7 @@ class Policy:
         with amp:  # fp32 master weights: matmuls run in the policy dtype, as on the rollout ranks
             out = self.family.forward(self.pipe, transformer, latents.to(self.device, self.dtype),
                                       sigma.to(self.device, torch.float32), cond, self.guidance, neg)
+        self.on_forward()
         return out.to(torch.float32)
 
     def freeze_reference(self) -> None:
@@ -141,8 +143,9 @@ class Policy:
         (main.py and Trainer do). With LoRA nothing is copied: the reference is the base with adapters off.
         """
         if self.reference_transformer is None and not has_lora(self.transformer):
-            # in the policy dtype: with fp32 master weights (enable_full_training) the values are bf16 ones anyway
-            self.reference_transformer = copy.deepcopy(self.transformer).requires_grad_(False).to(self.dtype)
+            # in the policy dtype: with fp32 master weights (enable_full_training) the values are bf16 ones anyway;
+            # copied tensor by tensor, never a whole copy in the fp32 master dtype (trainer.shard_for_fsdp shards it)
+            self.reference_transformer = frozen_copy(self.transformer, self.dtype)
 
     @contextlib.contextmanager
     def reference(self):
@@ -163,6 +166,27 @@ class Policy:
     def decode(self, latents) -> torch.Tensor:
         images = self.family.decode(self.pipe, latents.to(self.device), self.height, self.width, self.frames)
         return images.float().cpu()
+
+
+def frozen_copy(module: torch.nn.Module, dtype: torch.dtype, on_meta: bool = False) -> torch.nn.Module:
+    """A frozen copy of `module` (requires_grad off) whose parameters are in `dtype`, copied one tensor at a time
+    (buffers are copied as they are). `on_meta`: the parameters stay on the meta device, taking no memory, to be
+    filled unit by unit with `fill_from` (trainer.shard_for_fsdp shards each unit as soon as it is filled)."""
+    memo = {}
+    for p in module.parameters():
+        data = torch.empty_like(p, dtype=dtype, device="meta") if on_meta else p.detach().to(dtype, copy=True)
+        memo[id(p)] = torch.nn.Parameter(data, requires_grad=False)
+    return copy.deepcopy(module, memo)
+
+
+def fill_from(copy_: torch.nn.Module, source: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Give the meta-device parameters of `copy_` (a frozen_copy(on_meta=True) of `source` or of one of its
+    submodules) the values of `source`'s same-named parameters, in `dtype`."""
+    for name, p in list(copy_.named_parameters()):
+        if p.is_meta:
+            owner, _, leaf = name.rpartition(".")
+            value = source.get_parameter(name).detach().to(dtype, copy=True)
+            copy_.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(value, requires_grad=False)
 
 
 def load(name: str, path: str, device="cpu", dtype=torch.float32, height: int | None = None,

@@ -6,6 +6,8 @@ whole tensor that DTensor.full_tensor returns is tracked with a weak reference, 
 alive at once are compared with the largest single tensor.
 """
 import collections
+import dataclasses
+import datetime
 
 import pytest
 import torch
@@ -70,3 +72,182 @@ def test_non_leaders_hold_one_whole_tensor_at_a_time(tiny_cache):
     leader_publish_peak, _, _, _, leader_kept_nothing = rows[0]
     assert 0 < leader_publish_peak <= largest  # the leader too gathers one tensor at a time
     assert not leader_kept_nothing  # the leader, which writes the file, kept the state
+
+
+# --- what a trainer holds alive under --fsdp, through main.py's own wiring -------------------------------------
+def held_bytes(policy, optimizer) -> dict[str, int]:
+    """Bytes of every tensor storage this process holds alive (found by the garbage collector, DTensors by their
+    local shard), minus the pipeline's other components (text encoders, VAE: whole on every rank by design), and
+    the parts of it that are the policy's parameters, the optimizer state and the KL reference."""
+    import gc
+
+    from torch.distributed.tensor import DTensor
+
+    def storage(t):
+        t = t._local_tensor if isinstance(t, DTensor) else t
+        if t.device.type == "meta" or t.is_sparse:
+            return None
+        s = t.untyped_storage()
+        return (s.data_ptr(), s.nbytes()) if s.data_ptr() else None
+
+    def storages(tensors):
+        return dict(filter(None, (storage(t) for t in tensors)))
+
+    gc.unfreeze()  # main.py froze the loaded model: frozen objects are invisible to gc.get_objects()
+    gc.collect()
+    alive = storages(o for o in gc.get_objects() if isinstance(o, torch.Tensor))
+    others = storages(t for name, m in policy.pipe.components.items() if name != "transformer"
+                      and isinstance(m, torch.nn.Module) for t in [*m.parameters(), *m.buffers()])
+    reference = policy.reference_transformer
+    parts = {"params": storages(policy.transformer.parameters()),
+             "optimizer": storages(v for s in optimizer.state.values() for v in s.values()),
+             "reference": storages(reference.parameters()) if reference is not None else {}}
+    out = {name: sum(part.values()) for name, part in parts.items()}
+    out["held"] = sum(n for ptr, n in alive.items() if ptr not in others)
+    full = sum(p.numel() * p.element_size() for p in policy.transformer.parameters())  # DTensor: the whole size
+    out["full_params"] = full
+    out["full_reference"] = sum(p.numel() * p.element_size() for p in reference.parameters()) if reference else 0
+    return out
+
+
+def _probe_rank(payload, rank, world, local_rank, master, agent_store, report_silent):
+    """main.run_rank, measuring what each trainer holds right after its first optimizer step."""
+    import json
+    import os
+
+    import main
+    import trainer as trainer_lib
+
+    step = trainer_lib.Trainer.step
+
+    def measured_step(self, *args, **kwargs):
+        out = step(self, *args, **kwargs)
+        if self.version == 1:
+            with open(os.path.join(os.environ["DIGENRL_MEMORY_PROBE"], f"rank{rank}.json"), "w") as f:
+                json.dump(held_bytes(self.policy, self.optimizer), f)
+        return out
+
+    trainer_lib.Trainer.step = measured_step
+    main.run_rank(payload, rank, world, local_rank, master, agent_store, report_silent)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.01], ids=["no-kl", "kl"])
+def test_fsdp_trainers_hold_one_kth_of_the_model_and_optimizer(beta, tiny_cache, tmp_path, monkeypatch):
+    """Catches trainers keeping unsharded copies under --fsdp with full fine-tuning (issue 22 item 2): main.py kept
+    the pre-sharding parameters alive in Rank.params (the whole model beside the shards), and with --beta > 0 the
+    KL reference was a whole deep copy, never sharded. 3 gloo ranks (R = 1, K = 2) run main.py's wiring; each
+    trainer counts every storage it holds alive (gc) after its first optimizer step."""
+    import json
+
+    import comm
+    import main
+    from infra.launch import launch
+
+    monkeypatch.setenv("DIGENRL_MEMORY_PROBE", str(tmp_path))
+    cfg = main.prepare(["--mode", "digenrl", "--fsdp", "--nproc", "3", "--rollout-ranks", "1", "--no-lora",
+                        "--steps", "1", "--prompts-per-step", "2", "--fragment-groups", "2", "--group-size", "2",
+                        "--num-steps", "2", "--eval-every", "0", "--save-every", "0", "--no-trace", "--no-progress",
+                        "--beta", str(beta), "--timeout-s", "60", "--out-dir", str(tmp_path), "--run-name", "job"])
+    code = launch(_probe_rank, dataclasses.asdict(cfg), 3, threads=1,
+                  role_of=lambda r: comm.role_of(cfg.placement, cfg.rollout_ranks, r, 3))
+    assert code == 0
+    k = 2
+    for rank in (1, 2):
+        m = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        whole = 3 * m["full_params"] + m["full_reference"]  # weights + AdamW's two moments (+ the reference)
+        print(f"beta {beta} trainer rank {rank}: holds {m['held'] / 2**20:.2f} MiB; the whole model + optimizer "
+              f"state{' + reference' if beta else ''} is {whole / 2**20:.2f} MiB, 1/K of it "
+              f"{whole / k / 2**20:.2f} MiB (params {m['params'] / 2**20:.2f}, optimizer {m['optimizer'] / 2**20:.2f}, "
+              f"reference {m['reference'] / 2**20:.2f} MiB)")
+        assert m["params"] == pytest.approx(m["full_params"] / k, rel=0.05)  # the shards are what we think
+        assert m["reference"] == pytest.approx(m["full_reference"] / k, rel=0.05)  # sharded too (0 without KL)
+        assert whole / k * 0.95 <= m["held"] <= whole / k * 1.08, m  # about 1/K: nothing whole beside the shards
+
+
+def _reference_worker(rank, port, cache, results):
+    import os
+
+    import torch.distributed as dist
+
+    os.environ["DIGENRL_CACHE"] = cache
+    import models
+    from trainer import shard_for_fsdp
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    path = models.tiny_pipeline_path("flux")
+    initial = models.load("flux", path, "cpu", torch.bfloat16).transformer  # what the reference must be
+    policy = models.load("flux", path, "cpu", torch.bfloat16)
+    models.enable_full_training(policy, fp32_master=True)  # fp32 masters: the reference is the bf16 values
+    shard_for_fsdp(policy, dist.group.WORLD, keep_reference=True)
+    reference = policy.reference_transformer
+    same = [name for name, p in reference.named_parameters()
+            if p.dtype == torch.bfloat16 and not p.requires_grad
+            and torch.equal(p.full_tensor(), initial.get_parameter(name))]
+    x = policy.noise(torch.Generator().manual_seed(0))[None]  # [1, tokens, channels]
+    cond = policy.encode_prompts(["a red image"])
+    with torch.no_grad(), policy.reference() as ref:
+        sharded = policy.velocity(x, torch.tensor([0.7]), cond, transformer=ref)
+        whole = policy.velocity(x, torch.tensor([0.7]), cond, transformer=initial)
+        policy_now = policy.velocity(x, torch.tensor([0.7]), cond)  # the (sharded) policy, not yet trained
+    results.put((rank, len(same), len(list(reference.parameters())), float((sharded - policy_now).abs().max()),
+                 float((sharded - whole).abs().max() / whole.abs().max())))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def test_the_sharded_kl_reference_is_the_initial_weights(tiny_cache):
+    """Catches a sharded KL reference that is not the initial weights (issue 22 item 2 builds it unit by unit from
+    the still-whole policy before sharding): every gathered reference weight equals the loaded bf16 weight bit for
+    bit, and its forward equals the unsharded initial transformer's."""
+    from infra.launch import free_port
+
+    ctx = mp.get_context("spawn")
+    results = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_reference_worker, args=(r, port, tiny_cache, results)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(150)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    for _ in range(2):
+        rank, same, total, gap, relative_to_whole = results.get()
+        assert same == total > 0, (rank, same, total)
+        assert gap == 0.0, (rank, gap)  # the same bf16 weights through the same sharded forward as the policy's
+        assert relative_to_whole < 1e-2, (rank, relative_to_whole)  # unsharded: bf16 rounding apart
+
+
+# --- real-size memory on CPU: tools/estimate_memory.py ----------------------------------------------------------
+@pytest.mark.parametrize("mode", [["--fsdp", "--no-lora", "--beta", "0.04"], ["--lora"]], ids=["fsdp-full-kl", "lora"])
+def test_estimated_trainer_memory_matches_hand_arithmetic(mode, tmp_path):
+    """Catches a memory estimate that is not what the code holds, and trainers holding whole copies under FSDP
+    (issue 22 items 2 and 6): FLUX.1-dev's transformer under FakeTensorMode, world size 8 (R = K = 4), through
+    models.Policy, trainer.shard_for_fsdp and trainer.Trainer; torch's MemTracker / FSDPMemTracker count the
+    weights, gradients and AdamW state a trainer holds after an optimizer step, which must be the hand arithmetic
+    within 10%: 16 B per parameter (+ 2 B for the bf16 KL reference) / K under FSDP; LoRA: the bf16 base whole and
+    16 B per adapter parameter. Reduced depth (2 + 4 of the 19 + 38 blocks: the same code path, seconds instead
+    of a minute; `--depth 1`, the README's table, is the real size)."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    out = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, "tools/estimate_memory.py", "--model", "flux", "--nproc", "8",
+                           "--rollout-ranks", "4", "--depth", "0.1", *mode, "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=170)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    print(proc.stdout)
+    row = json.loads(out.read_text())[0]
+    assert row["trainers"] == 4 and row["hand_states_gib"] > 0
+    assert abs(row["trainer_states_gib"] / row["hand_states_gib"] - 1) < 0.10, row
+    if "--fsdp" in mode:  # 1/K of the whole (fp32 masters, gradients, AdamW, bf16 reference): nothing whole
+        assert row["trainer_states_gib"] < 1.1 * 18 * row["params_b"] * 1e9 / 4 / 2**30, row
+    assert row["trainer_gib"] > row["trainer_states_gib"] + row["others_gib"]  # activations on top
+    assert row["rollout_gib"] > 2 * row["params_b"] * 1e9 / 2**30  # bf16 weights whole on a rollout rank

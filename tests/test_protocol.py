@@ -272,12 +272,13 @@ def test_assisted_generation_generates_each_claimed_group_once_at_its_global_ind
                 parts[owner] = part
 
         for me in range(trainers):  # every trainer generates its share (the exchange comes next)
-            tag.assisted_generation(5, num_groups, trainers, me, generate, keep, concat=lambda shares: None)
+            tag.assisted_generation(5, num_groups, trainers, me, generate, keep, concat=lambda shares: None,
+                                    lockstep=False)
         covered = sorted(g for first, count in generated for g in range(first, first + count))
         assert covered == list(range(5, 5 + num_groups)), (trainers, generated)
         for me in range(trainers):  # the exchange: every trainer ends with the whole fragment, in group order
             whole = tag.assisted_generation(5, num_groups, trainers, me, lambda f, c: parts[me],
-                                            lambda part, owner: parts[owner], gap.concat_fragments)
+                                            lambda part, owner: parts[owner], gap.concat_fragments, lockstep=False)
             assert whole.first_group == 5 and whole.num_groups == num_groups
             assert whole.rewards.tolist() == list(range(10, 10 + 2 * num_groups))
 

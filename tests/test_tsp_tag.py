@@ -130,3 +130,45 @@ def test_gradient_checkpointing_gives_the_same_gradient(setup):
         policy.transformer.disable_gradient_checkpointing()
     for a, b in zip(checkpointed, plain):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+
+
+def test_a_short_tag_claim_still_gives_every_fsdp_trainer_the_same_forwards():
+    """Catches TAG desynchronising FSDP trainers (issue 22 item 4): the leader asks for a multiple of K groups,
+    a rollout rank claims in between, the real queue hands back fewer groups than trainers, and trainers with an
+    empty share skipped generation, leaving the others waiting in an FSDP all-gather they never issue.
+    Driven through the real FragmentQueue on a real store and the leader's real decision; the old code gave
+    generate calls [0, 1, 0, 1] on the K = 4 trainers."""
+    from torch.distributed import HashStore
+
+    k, groups, fragment_groups, step = 4, 24, 6, 0
+    queue = gap.FragmentQueue(HashStore(), groups)
+    for first, count in (queue.claim(step, fragment_groups), queue.claim(step, fragment_groups)):
+        queue.announce(step, first, count, producer=0)  # the rollout rank streamed two fragments
+    race = {"armed": True}
+
+    def claim(step_, n):  # the leader's store.add, with a rollout rank's claim landing just before it
+        if race.pop("armed", False):
+            assert queue.claim(step_, fragment_groups) == (16, 6)
+        return queue.claim(step_, n)
+
+    assistant = tag.Assistant(groups, fragment_groups, 1, k, quantum=k, claim=claim, claimed=queue.num_claimed,
+                              announced_groups=queue.num_announced_groups, rollout_gen_s=lambda: 6.0)
+    assistant.train.update(0.1)
+    assistant.gen_trainer.update(1.0)
+    assistant.pending[step].append(queue.claim(step, 4))  # an earlier TAG share: groups 12..15
+    assistant.taken[step] += 4
+    assistant.generated[step] += 4
+    state = assistant.state(step, groups_done=16)
+    assert (state.unclaimed, tag.assist_groups(state)) == (8, 8)  # the leader decides 8 = 2K groups ...
+    assistant.pending[step].clear()
+    assert assistant.consider(step, groups_done=16)
+    first, count = assistant.pending[step][0]
+    assert (first, count) == (22, 2)  # ... and gets 2: fewer than the K trainers
+    calls = {me: [] for me in range(k)}
+    for me in range(k):  # each trainer's side of the command (gap.broadcast_fragment stands in as `share`)
+        tag.assisted_generation(first, count, k, me, generate=lambda f, c, me=me: calls[me].append((f, c)) or (f, c),
+                                share=lambda part, owner: part, concat=list, lockstep=True)
+    assert [len(c) for c in calls.values()] == [1] * k, calls  # the same denoising forwards on every trainer
+    kept = sorted(g for me in range(k) for f, c in calls[me][:1] for g in range(f, f + c)
+                  if tag.split_groups(count, k, me)[1] > tag.split_groups(count, k, me)[0])
+    assert kept == [22, 23]  # the groups themselves are generated exactly once by their owners

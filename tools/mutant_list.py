@@ -219,15 +219,26 @@ MUTANTS = [
       "tests/test_gap.py::test_round_trip_broadcast_unique_claims_and_published_weights",
       equivalent="the buffers are consumed on the first swap (set to None) and the leader publishes each version "
                  "once, so the condition is never reached with an equal version"),
+    M("tag-no-padding", "tag.py",
+      "    if mine is None and lockstep:", "    if False:",
+      "under FSDP a trainer whose TAG share came back empty skips its forwards (the others wait in an all-gather)",
+      TSP_TAG + "test_a_short_tag_claim_still_gives_every_fsdp_trainer_the_same_forwards"),
     # --- trainer.py ------------------------------------------------------------------------------------
+    M("fsdp-reference-unsharded", "trainer.py",
+      "    reference = models.frozen_copy(transformer, policy.dtype, on_meta=True) if keep_reference else None",
+      "    reference = policy.freeze_reference() if keep_reference else None",
+      "the KL reference is a whole copy made before sharding, never sharded (issue 22 item 2)",
+      "tests/test_memory.py::test_fsdp_trainers_hold_one_kth_of_the_model_and_optimizer"),
     M("trainer-clip-disabled", "trainer.py",
       "clip_grad_norm_(self.params, self.cfg.max_grad_norm)", "clip_grad_norm_(self.params, math.inf)",
       "gradient clipping disabled", CLIPPING),
     M("trainer-clip-before-all-reduce", "trainer.py",
       "        self.all_reduce_gradients()\n"
-      "        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)",
-      "        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)\n"
-      "        self.all_reduce_gradients()",
+      "        with self._inside(\"grad-norm all-reduce\"):\n"
+      "            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)",
+      "        with self._inside(\"grad-norm all-reduce\"):\n"
+      "            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)\n"
+      "            self.all_reduce_gradients()",
       "each rank clips its local gradient before the all-reduce (not the global norm)", K2_CLIPPED),
     M("trainer-no-all-reduce", "trainer.py",
       "dist.all_reduce(flat, group=self.compute_group)", "pass",

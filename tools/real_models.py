@@ -1,0 +1,46 @@
+"""The released checkpoints of the four seed families as data, for tools/estimate_memory.py: each transformer's
+diffusers config (its transformer/config.json on the Hugging Face Hub) and the parameter counts of what else every
+rank loads whole (text encoders, VAE), counted from their configs on the meta device (2026-12-01, diffusers
+0.42.1, transformers 5.23.0). No weights: building these on the meta device or under FakeTensorMode takes no memory.
+
+    from tools.real_models import FAMILIES
+    FAMILIES["flux"]["config"]          # FluxTransformer2DModel(**config) is FLUX.1-dev's 11.9B transformer
+"""
+from __future__ import annotations
+
+# diffusers transformer configs of the released checkpoints (their transformer/config.json), and what else each
+# rank loads whole in bf16: parameter counts from the components' configs, built on the meta device.
+FAMILIES = {
+    "flux": dict(cls="FluxTransformer2DModel", source="black-forest-labs/FLUX.1-dev transformer/config.json",
+                 config=dict(attention_head_dim=128, guidance_embeds=True, in_channels=64, joint_attention_dim=4096,
+                             num_attention_heads=24, num_layers=19, num_single_layers=38, patch_size=1,
+                             pooled_projection_dim=768, axes_dims_rope=(16, 56, 56)),
+                 blocks=("num_layers", "num_single_layers"),
+                 others={"T5-XXL encoder": 4_762_310_656, "CLIP-L text": 123_060_480, "VAE": 83_819_683},
+                 text=dict(dim=4096, pooled=768), vae_spatial=8),
+    "qwenimage": dict(cls="QwenImageTransformer2DModel", source="Qwen/Qwen-Image transformer/config.json",
+                      config=dict(attention_head_dim=128, axes_dims_rope=(16, 56, 56), guidance_embeds=False,
+                                  in_channels=64, joint_attention_dim=3584, num_attention_heads=24, num_layers=60,
+                                  out_channels=16, patch_size=2),
+                      blocks=("num_layers",),
+                      others={"Qwen2.5-VL-7B": 8_292_166_656, "VAE": 126_892_531},
+                      text=dict(dim=3584), vae_spatial=8),
+    "wan": dict(cls="WanTransformer3DModel", source="Wan-AI/Wan2.1-T2V-14B-Diffusers transformer/config.json",
+                config=dict(patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16,
+                            out_channels=16, text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40,
+                            cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=1024),
+                blocks=("num_layers",),
+                others={"UMT5-XXL encoder": 5_680_910_336, "VAE": 126_892_531},
+                text=dict(dim=4096), vae_spatial=8),
+    "hunyuanvideo": dict(cls="HunyuanVideoTransformer3DModel",
+                         source="hunyuanvideo-community/HunyuanVideo transformer/config.json",
+                         config=dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128,
+                                     num_layers=20, num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0,
+                                     patch_size=2, patch_size_t=1, qk_norm="rms_norm", guidance_embeds=True,
+                                     text_embed_dim=4096, pooled_projection_dim=768, rope_theta=256.0,
+                                     rope_axes_dim=(16, 56, 56)),
+                         blocks=("num_layers", "num_single_layers"),
+                         others={"Llama-3-8B text (llava)": 7_505_186_816, "CLIP-L text": 123_060_480,
+                                 "VAE": 246_478_803},
+                         text=dict(dim=4096, pooled=768), vae_spatial=8),
+}
