@@ -194,12 +194,14 @@ def parse_args(argv=None) -> Config:
     return saved_config.merge(build_parser(), argv, Config, resolve)
 
 
-def resolve(cfg: Config) -> Config:
-    """Fill the derived defaults (mode -> mechanism flags, LoRA auto, trace auto); returns a new Config."""
+def resolve(cfg: Config, world: int | None = None) -> Config:
+    """Fill the derived defaults (mode -> mechanism flags, LoRA auto, trace auto); returns a new Config. With
+    `world` = 1 (one rank: torchrun's default of one process per node, or --nproc 1) the default mode is
+    colocated: the disaggregated ones need a rollout and a trainer rank."""
     c = dataclasses.replace(cfg)
     given = {name: getattr(c, name) for name in MECHANISM_FIELDS if getattr(c, name) is not None}
     if c.mode is None and not any(given.values()):  # nothing, or only --no-X flags: DigenRL minus those
-        c.mode = "digenrl"
+        c.mode = "colocated" if world == 1 else "digenrl"
     if c.mode is not None:
         if c.mode not in MODES:
             raise ValueError(f"--mode {c.mode!r} is not one of {', '.join(MODES)}")
@@ -334,6 +336,9 @@ def validate(c: Config, world_size: int) -> None:
     if c.resume is not None:
         from infra import rundir as runio
         runio.check_resume(c.resume, c)
+    elif c.run_name is not None:  # a new run must not overwrite one (main.py checks again under the run lock)
+        from infra.runlock import check_new_run
+        check_new_run(os.path.join(c.out_dir, c.run_name))
 
 
 def reward_options(c: Config):
