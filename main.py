@@ -201,8 +201,6 @@ def rollout_rank(r: Rank) -> None:
 
 def trainer_rank(r: Rank):
     """A trainer rank (disaggregated) or a colocated rank: the trainer, the mechanisms plugged in, the loop."""
-    import torch
-
     import async_policy
     import gap
     import tag

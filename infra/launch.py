@@ -121,11 +121,13 @@ def _signal_all(procs, signum: int) -> None:
                 pass  # gone already
 
 
-def launch(target, payload, nproc: int, role_of: Callable[[int], str], threads: int = 1) -> int:
+def launch(target, payload, nproc: int, role_of: Callable[[int], str], threads: int = 1,
+           start_method: str = "spawn") -> int:
     """Spawn `nproc` ranks running target(payload, rank, world, local_rank, master, agent_store, report_silent);
     returns 0, EXIT_PREEMPTED when they stopped on a signal with a checkpoint, 128 + signal when killed on a
-    second signal, or 1 after printing which rank failed first."""
-    ctx = multiprocessing.get_context("spawn")
+    second signal, or 1 after printing which rank failed first. `start_method` "fork" only for tests whose ranks
+    should share the launcher's imports (tests/rendezvous_job.py): CUDA needs fresh processes."""
+    ctx = multiprocessing.get_context(start_method)
     listener = listening_socket()  # held until rank 0's store serves on it
     master = (HOST, listener.getsockname()[1])
     failures = ctx.SimpleQueue()

@@ -2,7 +2,6 @@
 async_policy.py, in the same three processes: published weights reach the rollout's model (Mailbox.swap_into),
 in the rollout's dtype, newest version first (catches a mailbox that reports a version it never copied in)."""
 import datetime
-import socket
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ import torch.multiprocessing as mp
 
 import async_policy
 import gap
+from infra.launch import HOST, listening_socket, open_store
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,8 +36,8 @@ def _same(a, b):
     assert a._ints() == b._ints()
 
 
-def _worker(rank, world, port, results):
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=30))
+def _worker(rank, world, master, results):
+    store = open_store(master, world, is_master=rank == 0, timeout_s=30)  # rank 0 serves on the parent's socket
     dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=30))
     frag = _fragment()
@@ -77,12 +77,12 @@ def _worker(rank, world, port, results):
 
 
 def test_round_trip_broadcast_unique_claims_and_published_weights():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    listener = listening_socket()  # held from bind to use: no other job can take the port meanwhile
+    master = (HOST, listener.getsockname()[1])
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_worker, args=(r, 3, port, results)) for r in range(3)]
+    procs = [ctx.Process(target=_worker, args=(r, 3, master + ((listener,) if r == 0 else ()), results))
+             for r in range(3)]
     for p in procs:
         p.start()
     for p in procs:

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 pytestmark = pytest.mark.timeout(180)
 
 
-def _worker(rank, port, cache, results):
+def _worker(rank, master, cache, results):
     import os
     import weakref
 
@@ -28,8 +28,9 @@ def _worker(rank, port, cache, results):
     from trainer import TrainConfig, Trainer, shard_for_fsdp
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
+    from infra.launch import open_store
+    store = open_store(master, 2, is_master=rank == 0, timeout_s=60)  # rank 0 serves on the parent's held socket
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
     policy = models.load("flux", models.tiny_pipeline_path("flux"), "cpu", torch.float32)
     models.enable_full_training(policy)
     shard_for_fsdp(policy, dist.group.WORLD, keep_reference=False)
@@ -66,12 +67,14 @@ def _worker(rank, port, cache, results):
 
 
 def test_non_leaders_hold_one_whole_tensor_at_a_time(tiny_cache):
-    from infra.launch import free_port
+    from infra.launch import HOST, listening_socket
 
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, tiny_cache, results)) for r in range(2)]
+    listener = listening_socket()  # held from bind to use: no other job can take the port meanwhile
+    master = (HOST, listener.getsockname()[1])
+    procs = [ctx.Process(target=_worker, args=(r, master + ((listener,) if r == 0 else ()), tiny_cache, results))
+             for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
