@@ -95,7 +95,7 @@ def test_custom_reward_from_file_and_module(reward_file, tmp_path, monkeypatch):
     images = torch.rand(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
     combined = rewards.build_reward(f"{reward_file}:brightness=2,color=1")
     scores = combined(images, ["a red image", "a blue image"])
-    torch.testing.assert_close(scores[f"{reward_file}:brightness"], images.mean(dim=(1, 2, 3)))
+    torch.testing.assert_close(scores["my_rewards_brightness"], images.mean(dim=(1, 2, 3)))
     torch.testing.assert_close(scores["total"], 2 * images.mean(dim=(1, 2, 3)) + scores["color"])
     # Videos are passed as they are; lists are accepted and made float32 [B].
     video = torch.rand(2, 4, 3, 8, 8)
