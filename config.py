@@ -50,9 +50,9 @@ class Config:
     remote_timeout_s: float = field(30.0, "per request: longer tolerates a slow server, shorter retries a hung "
                                     "one sooner")
     remote_retries: int = field(7, "retries after the first attempt (timeouts, connection errors, HTTP 5xx), with "
-                                "exponential backoff capped at 15 s: the default 7 wait 1, 2, 4, 8, 15, 15, 15 s (about "
-                                "a minute), riding out a server restart; more rides out longer outages, but a dead "
-                                "server takes longer to fail the run")
+                                "exponential backoff capped at 15 s: the default 7 wait 1, 2, 4, 8, 15, 15, 15 s "
+                                "(about a minute), riding out a server restart; more rides out longer outages, but a "
+                                "dead server takes longer to fail the run")
     remote_batch_size: int = field(64, "images per request (Flow-GRPO: 64): larger = fewer round trips, bigger "
                                    "requests")
     remote_frames: str = field("all", "videos: all (every frame sent as an image, scores averaged over frames) or "

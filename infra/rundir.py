@@ -275,7 +275,8 @@ def load_state(checkpoint: str) -> dict:
         why = next((line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "global" in line),
                    str(error).splitlines()[0])
         raise ValueError(f"checkpoint {path!r} holds more than tensors and plain data ({why}): refused to load it, "
-                         "since unpickling it could run code. Only resume from checkpoints this project wrote") from None
+                         "since unpickling it could run code. Only resume from checkpoints this project "
+                         "wrote") from None
 
 
 def _meta(checkpoint: str) -> dict:
