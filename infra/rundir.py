@@ -272,11 +272,16 @@ def load_state(checkpoint: str) -> dict:
         with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
             return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as error:
+        if "weights only" not in str(error).lower():  # not torch's refusal: a file that is no checkpoint at all
+            raise ValueError(f"checkpoint {path!r} cannot be read: {str(error).splitlines()[0]}") from None
         why = next((line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "global" in line),
                    str(error).splitlines()[0])
         raise ValueError(f"checkpoint {path!r} holds more than tensors and plain data ({why}): refused to load it, "
                          "since unpickling it could run code. Only resume from checkpoints this project "
                          "wrote") from None
+    except (OSError, RuntimeError, EOFError) as error:  # truncated or not a torch file at all
+        raise ValueError(f"checkpoint {path!r} cannot be read: {type(error).__name__}: "
+                         f"{str(error).splitlines()[0] if str(error) else ''}") from None
 
 
 def _meta(checkpoint: str) -> dict:
