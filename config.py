@@ -41,16 +41,21 @@ class Config:
     reward: str = field("color", "reward spec, name=weight list, e.g. color=1.0,jpeg_compressibility=0.1, or my.py:fn "
                         "(fn(images, prompts[, metadata]) -> scores | (scores, info))")
     clip_path: Optional[str] = field(None, "local CLIP directory for the clip_score reward")
-    remote_url: Optional[str] = field(None, "http(s) URL of a reward server for the remote reward")
+    remote_url: Optional[str] = field(None, "http(s) URL of a reward server for the remote reward; several remote "
+                                      "rewards (--reward remote:geneval=1,remote:deqa=0.5): NAME=URL,NAME=URL. Each "
+                                      "server gets one check request before any rank starts")
     # remote reward server (rewards/remote.py)
     remote_protocol: str = field("json", "json (base64 PNGs in JSON) or flow_grpo (Flow-GRPO's reward servers: pickled "
-                                 "JPEG batches with prompts and metadata, answers unpickled restricted to plain data)")
+                                 "JPEG batches with prompts and metadata, answers unpickled restricted to plain data); "
+                                 "per remote:NAME reward: NAME=VALUE,...")
     remote_score_key: str = field("scores", "key of the server's answer holding the scores: scores (GenEval-style), "
-                                  "outputs (DeQA / UnifiedReward-style)")
+                                  "outputs (DeQA / UnifiedReward-style); per remote:NAME reward: NAME=KEY,...")
     remote_timeout_s: float = field(30.0, "per request: longer tolerates a slow server, shorter retries a hung "
                                     "one sooner")
-    remote_retries: int = field(3, "retries after the first attempt (timeouts, connection errors, HTTP 5xx); more "
-                                "rides out server restarts, but a dead server takes longer to fail the run")
+    remote_retries: int = field(7, "retries after the first attempt (timeouts, connection errors, HTTP 5xx), with "
+                                "exponential backoff capped at 15 s: the default 7 wait 1, 2, 4, 8, 15, 15, 15 s "
+                                "(about a minute), riding out a server restart; more rides out longer outages, but a "
+                                "dead server takes longer to fail the run")
     remote_batch_size: int = field(64, "images per request (Flow-GRPO: 64): larger = fewer round trips, bigger "
                                    "requests")
     remote_frames: str = field("all", "videos: all (every frame sent as an image, scores averaged over frames) or "
@@ -146,10 +151,12 @@ class Config:
                                      "the family's Flow-GRPO setting (FLUX, Qwen-Image 64; Wan 32) or --init-lora's")
     lora_alpha: Optional[float] = field(None, "LoRA alpha (scale = alpha / rank); unset = the family's Flow-GRPO "
                                         "setting (2 x rank) or --init-lora's")
-    lora_targets: str = field("flow_grpo", "flow_grpo (the family's published Flow-GRPO modules: FLUX and Qwen-Image "
-                              "attention + feed-forward, Wan attention), attention (attention projections only: fewer "
-                              "parameters), all-linear (every linear in the blocks: most capacity), or a comma list "
-                              "of module names; models/lora.py")
+    lora_targets: Optional[str] = field(None, "flow_grpo (the family's published Flow-GRPO modules: FLUX and "
+                                        "Qwen-Image attention + feed-forward, Wan attention), attention (attention "
+                                        "projections only: fewer parameters), all-linear (every linear in the blocks: "
+                                        "most capacity), or a comma list of module names; models/lora.py. Unset = "
+                                        "--init-lora's target_modules (a peft adapter_config.json, or the LoRA file's "
+                                        "metadata) when it lists them, else flow_grpo")
     init_lora: Optional[str] = field(None, "start the LoRA from this diffusers LoRA file (or its folder, or a peft "
                                      "adapter folder as Flow-GRPO saves); its rank and alpha are the defaults")
     fp32_master: bool = field(True, "full fine-tuning with a bf16 policy: trainers keep fp32 weights, gradients "
@@ -194,9 +201,14 @@ class Config:
                           "without starting any rank")
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, not argparse's usage dump of every option
+        self.exit(2, f"error: {message} (python main.py --help lists every option)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="digenrl: disaggregated Flow-GRPO for diffusion models",
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = _Parser(description="digenrl: disaggregated Flow-GRPO for diffusion models",
+                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Config):
         flag = "--" + f.metadata.get("flag", f.name).replace("_", "-")
         kind = f.type if isinstance(f.type, str) else f.type.__name__
@@ -209,18 +221,48 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def negative_numbers_joined(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`--lr -1e-4` -> `--lr=-1e-4`: argparse takes a value that starts with '-' for a flag unless it looks like
+    '-1' or '-.5', so '-1e-4' or '-inf' gave "expected one argument" instead of the validation's message."""
+    takes_value = {o for a in parser._actions if a.nargs is None and not isinstance(a, argparse.BooleanOptionalAction)
+                   for o in a.option_strings}
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in takes_value and i + 1 < len(argv) and argv[i + 1].startswith("-") and _is_number(argv[i + 1]):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
 def parse_args(argv=None) -> Config:
     """Flags, on top of --resume RUN's or --config FILE's saved configuration if given (infra/saved_config.py)."""
+    import sys
+
     from infra import saved_config
-    return saved_config.merge(build_parser(), argv, Config, resolve)
+    parser = build_parser()
+    argv = negative_numbers_joined(parser, list(sys.argv[1:] if argv is None else argv))
+    return saved_config.merge(parser, argv, Config, resolve)
 
 
-def resolve(cfg: Config) -> Config:
-    """Fill the derived defaults (mode -> mechanism flags, LoRA auto, trace auto); returns a new Config."""
+def resolve(cfg: Config, world: int | None = None) -> Config:
+    """Fill the derived defaults (mode -> mechanism flags, LoRA auto, trace auto); returns a new Config. With
+    `world` = 1 (one rank: torchrun's default of one process per node, or --nproc 1) the default mode is
+    colocated: the disaggregated ones need a rollout and a trainer rank."""
     c = dataclasses.replace(cfg)
     given = {name: getattr(c, name) for name in MECHANISM_FIELDS if getattr(c, name) is not None}
     if c.mode is None and not any(given.values()):  # nothing, or only --no-X flags: DigenRL minus those
-        c.mode = "digenrl"
+        c.mode = "colocated" if world == 1 else "digenrl"
     if c.mode is not None:
         if c.mode not in MODES:
             raise ValueError(f"--mode {c.mode!r} is not one of {', '.join(MODES)}")
@@ -248,6 +290,9 @@ def resolve(cfg: Config) -> Config:
         rank, alpha = lora.default_rank_alpha(c.model, c.init_lora)
         c.lora_rank = rank if c.lora_rank is None else c.lora_rank
         c.lora_alpha = alpha if c.lora_alpha is None else c.lora_alpha
+    if c.lora_targets is None:
+        from models import lora
+        c.lora_targets = lora.default_targets(c.init_lora) if c.lora else "flow_grpo"
     if c.tsp_pack is None:
         c.tsp_pack = 4 if c.pretrained is not None else 20
     if c.eval_seeds is None:
@@ -328,6 +373,8 @@ def validate(c: Config, world_size: int) -> None:
         import importlib.util
         if importlib.util.find_spec("wandb") is None:
             _bad("--wandb needs the wandb package: pip install wandb")
+        from infra.tracking import check_wandb_login
+        check_wandb_login()
     if c.device not in ("auto", "cpu", "cuda"):
         _bad(f"--device {c.device!r} is not one of auto, cpu, cuda")
     if c.dtype not in ("auto", "float32", "bfloat16"):
@@ -378,11 +425,15 @@ def validate(c: Config, world_size: int) -> None:
     rewards.check_prompts(c.reward, source.train, "the training prompts")
     rewards.check_prompts(c.reward, source.eval, "the evaluation prompts")
     rewards.check_custom_rewards(c.reward, reward_probe(c, source))
+    rewards.check_remote_servers(c.reward, reward_options(c), reward_probe(c, source))  # one request each
     if c.pretrained is not None:
         family.check_pretrained(models.resolve_pretrained(c.model, c.pretrained))
     if c.resume is not None:
         from infra import rundir as runio
         runio.check_resume(c.resume, c)
+    elif c.run_name is not None:  # a new run must not overwrite one (main.py checks again under the run lock)
+        from infra.runlock import check_new_run
+        check_new_run(os.path.join(c.out_dir, c.run_name))
 
 
 def reward_options(c: Config):

@@ -16,14 +16,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import datetime
 import os
 import sys
 import time
 
 import config as config_lib
 import presets
-from infra.launch import launch
+from infra import lifeline
+from infra.launch import launch, open_store
+from infra.preemption import EXIT_PREEMPTED, Preempted, Preemption
+from infra.runlock import RunLock, check_new_run
 
 
 @dataclasses.dataclass
@@ -44,6 +46,7 @@ class Rank:
     sampling: object
     queue: object  # gap.FragmentQueue
     steps: range
+    preemption: object  # infra.preemption.Preemption: the stop request the trainers agree on at a step's end
 
     @property
     def speed(self) -> float:
@@ -78,9 +81,10 @@ class Rank:
         return dist.PrefixStore(name, self.store) if self.store is not None else None
 
 
-def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple[str, int], agent_store: bool,
-             report_silent=None) -> None:
-    """One rank: groups (comm.py), liveness, the policy, then the rollout or trainer loop, then shutdown."""
+def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple, agent_store: bool,
+             report_silent=None) -> int:
+    """One rank: groups (comm.py), liveness, the policy, then the rollout or trainer loop, then shutdown. Returns 0,
+    or EXIT_PREEMPTED after a stop on SIGTERM (a rank of a larger job exits with it: infra/preemption.py)."""
     import torch
     import torch.distributed as dist
 
@@ -89,7 +93,7 @@ def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple[str, int
     import models
     import rewards
     import rollout
-    from infra.liveness import Liveness, on_sigterm_name_the_dead
+    from infra.liveness import Liveness
     from infra.progress import Progress
     from infra.tracing import Tracer, gather_spans, write_chrome_trace, write_timeline_png
 
@@ -106,8 +110,7 @@ def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple[str, int
     _name_process(f"dg{rank}-{roles[rank]}")  # what ps/top (and tools/soak.py) show for this rank
     store, watch, progress = None, None, Progress()
     if world > 1:
-        store = dist.TCPStore(master[0], master[1], world, is_master=(rank == 0 and not agent_store),
-                              timeout=datetime.timedelta(seconds=cfg.timeout_s))
+        store = open_store(master, world, is_master=(rank == 0 and not agent_store), timeout_s=cfg.timeout_s)
         gpus = comm.gather_device_identities(store, rank, world, comm.this_device_identity(device)) if use_cuda else []
         backend, why = comm.choose_backend(use_cuda, [gpu for gpu, role in zip(gpus, roles) if role != "rollout"],
                                            cfg.backend)
@@ -117,8 +120,13 @@ def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple[str, int
                                 timeout=comm.NO_DEADLINE)
         watch = Liveness(dist.PrefixStore("liveness", store), rank, roles, cfg.timeout_s, report_silent,
                          progress=progress).start()
-        if agent_store or "TORCHELASTIC_RUN_ID" in os.environ:  # under torchrun: name the dead rank's role too
-            on_sigterm_name_the_dead(watch, rank, roles[rank])
+    # SIGTERM: stop after the current step with a checkpoint; but at once when a peer is dead already (torchrun's
+    # agent stops the others that way when one fails): then say which one, as torchrun names no roles
+    preemption = Preemption(dist.PrefixStore("preemption", store) if store is not None else None, rank, world,
+                            urgent=lambda: "; ".join(f"{watch.describe(r)} died" for r in watch.dead_local_peers())
+                            if watch is not None else None,
+                            finishing=watch.finishing if watch is not None else lambda: None,
+                            hosts_store=rank == 0 and not agent_store).start()
     groups = comm.build_groups(rank, world, cfg.placement, cfg.rollout_ranks)
     tracer = Tracer(rank, groups.role, enabled=cfg.trace, progress=progress)
     tracer.align(groups.world_data)
@@ -153,10 +161,16 @@ def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple[str, int
              sampling=rollout.SamplingConfig(cfg.num_steps, cfg.noise_level, cfg.timestep_fraction, cfg.algo,
                                              cfg.adv_clip),
              queue=gap.FragmentQueue(dist.PrefixStore("queue", store), cfg.prompts_per_step) if store else None,
-             steps=steps)
+             steps=steps, preemption=preemption)
     try:
         run_dir = rollout_rank(r) if groups.role == "rollout" else trainer_rank(r)
+    except Preempted:  # the trainers agreed to stop; the leader's checkpoint is on disk
+        if world == 1:
+            preemption.close()
+            return EXIT_PREEMPTED
+        preemption.finish(leader=groups.is_leader)  # every rank exits with EXIT_PREEMPTED
     except BaseException as error:
+        preemption.absorb(error)  # a peer leaving after an agreed stop: not a failure
         if watch is not None:
             watch.name_the_dead(error)
         raise
@@ -179,6 +193,8 @@ def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple[str, int
         dist.barrier(group=groups.world_data)
         watch.stop()
         dist.destroy_process_group()
+    preemption.close()
+    return 0
 
 
 def rollout_rank(r: Rank) -> None:
@@ -202,8 +218,6 @@ def rollout_rank(r: Rank) -> None:
 
 def trainer_rank(r: Rank):
     """A trainer rank (disaggregated) or a colocated rank: the trainer, the mechanisms plugged in, the loop."""
-    import torch
-
     import async_policy
     import gap
     import tag
@@ -222,8 +236,7 @@ def trainer_rank(r: Rank):
                       compute_group=groups.compute, data_group=groups.trainer_data, sharded=cfg.fsdp,
                       progress=progress)
     if cfg.resume:  # rollout ranks take the weights from the leader's first publish
-        state = torch.load(os.path.join(rundir.check_resume(cfg.resume, cfg), "state.pt"), map_location="cpu",
-                           weights_only=False, mmap=True)  # mmap: each tensor is read when it is copied in
+        state = rundir.load_state(rundir.check_resume(cfg.resume, cfg))  # tensors and plain data only
         trainer.load_checkpoint_state(state)  # re-shards under FSDP
         trainer.version = state["step"]
         rundir.set_rng_state(state["rng"])
@@ -307,9 +320,15 @@ def trainer_rank(r: Rank):
             share_fragment=lambda f: _inside(progress, "fragment broadcast", gap.broadcast_fragment, f,
                                              groups.leader, groups.trainer_data), generate=assist)
 
+    stop = {"agreed": False}  # set when the trainers agreed at this step's optimizer step to stop after it
+
     def optimizer_step(step: int) -> dict:
         with tracer.span("optimizer", step=step):
-            return trainer.step(r.reward_fn.names)
+            reduced = trainer.metrics  # reduced over the trainers in trainer.step: all of them see the same max
+            reduced.high("stop_asked", float(r.preemption.stop_asked()))
+            metrics = trainer.step(r.reward_fn.names)
+        stop["agreed"] = reduced.maxs["stop_asked"] > 0 and step + 1 < cfg.steps
+        return metrics
 
     def publish(version: int) -> None:
         """The leader broadcasts whole weights; under FSDP every trainer takes part in gathering each one."""
@@ -341,7 +360,7 @@ def trainer_rank(r: Rank):
             if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
                 with tracer.span("eval", step=step):
                     metrics.update(evaluator(policy, step + 1))  # eval_reward, eval_reward_heldout_prompts; grids
-            if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps:
+            if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps or stop["agreed"]:
                 with tracer.span("checkpoint", step=step):
                     state = trainer.checkpoint_state(keep=leader)
             if leader:
@@ -362,6 +381,14 @@ def trainer_rank(r: Rank):
         tracer.mark_step(step)
         progress.bump(step + 1)
         last["t"] = time.perf_counter()  # step_time_s excludes evaluation and checkpointing
+        if stop["agreed"]:
+            if leader:
+                run_dir.plot_rewards()
+                run_dir.close()
+                print(f"[digenrl] stopped on request after step {step}: checkpoint "
+                      f"{os.path.join(run_dir.path, 'checkpoints', f'step_{step + 1:06d}')}; continue with: "
+                      f"python main.py --resume {run_dir.path}", flush=True)
+            raise Preempted(step)
 
     if groups.role == "colocated":
         run_colocated_rank(
@@ -402,41 +429,93 @@ def _progress_bar(cfg, steps):
 
 
 # --- launching ---------------------------------------------------------------------------------
+ONE_RANK = ("[digenrl] one rank: running colocated (generate, then train, on this rank); the disaggregated modes "
+            "need 2+ ranks: torchrun --nproc_per_node=2 main.py ... or python main.py --nproc 2 ...")
+
+
 def prepare(argv=None) -> config_lib.Config:
     """Parse, resolve and validate; raises ValueError/FileNotFoundError with a clear message on bad input."""
-    cfg = config_lib.resolve(config_lib.parse_args(argv))
-    world = int(os.environ.get("WORLD_SIZE", cfg.nproc))
+    parsed = config_lib.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", parsed.nproc))
+    cfg = config_lib.resolve(parsed, world=world)
+    if cfg.placement == "disaggregated" and world < 2:  # asked for explicitly (the default falls back to colocated)
+        raise ValueError(_needs_two_ranks(argv, world))
     config_lib.validate(cfg, world)
+    if world == 1 and parsed.mode is None and parsed.placement is None:  # the default mode, on one rank
+        print(ONE_RANK, file=sys.stderr, flush=True)
     if cfg.run_name is None and cfg.resume is None:
         cfg.run_name = config_lib.default_run_name(cfg)
     return cfg
 
 
+def _needs_two_ranks(argv, world: int) -> str:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "TORCHELASTIC_RUN_ID" in os.environ or "RANK" in os.environ:
+        command = "torchrun --nproc_per_node=2 main.py " + " ".join(args)
+    else:
+        for flag in ("--nproc",):  # drop the one-rank setting, then ask for two
+            while flag in args and args.index(flag) + 1 < len(args):
+                del args[args.index(flag):args.index(flag) + 2]
+        args = [a for a in args if not a.startswith("--nproc=")]
+        command = "python main.py " + " ".join([*args, "--nproc", "2"])
+    return (f"the disaggregated placement needs at least 2 ranks (one rollout, one trainer); got {world}. Run: "
+            f"{command.strip()} (or --mode colocated for one rank)")
+
+
+def run_path(cfg) -> str:
+    return cfg.resume or os.path.join(cfg.out_dir, cfg.run_name)
+
+
+def leader_rank(cfg, world: int) -> int:
+    """The rank that writes the run directory (comm.Groups.leader): the first trainer."""
+    return 0 if cfg.placement == "colocated" or world == 1 else cfg.rollout_ranks
+
+
+def lock_run_dir(cfg) -> RunLock:
+    """One job per run directory, taken before anything is written (infra/runlock.py); a new run's directory must
+    not hold a run already (checked again under the lock: two jobs may have asked for the same name at once)."""
+    lock = RunLock.acquire(run_path(cfg))
+    if cfg.resume is None:
+        try:
+            check_new_run(run_path(cfg))
+        except ValueError:
+            lock.release()
+            raise
+    return lock
+
+
 def main(argv=None) -> int:
+    torchrun = "RANK" in os.environ
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        lifeline.die_with_parent()  # a rank of torchrun dies with its agent (a SIGKILLed torchrun leaves none)
     try:
         cfg = prepare(argv)
+        world = int(os.environ["WORLD_SIZE"]) if torchrun else cfg.nproc
+        rank = int(os.environ["RANK"]) if torchrun else 0
+        print(f"[digenrl] {presets.describe(cfg)}", flush=True)
+        if cfg.dry_run:  # before the lock: a dry run writes nothing
+            print(f"[digenrl] dry run, nothing started; config {config_lib.to_json(cfg)}", flush=True)
+            return 0
+        lock = lock_run_dir(cfg) if rank == leader_rank(cfg, world) or not torchrun else None
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"[digenrl] {presets.describe(cfg)}", flush=True)
-    if cfg.dry_run:
-        print(f"[digenrl] dry run, nothing started; config {config_lib.to_json(cfg)}", flush=True)
-        return 0
-    if cfg.pretrained is None:  # build the tiny pipeline once, before ranks race for it
-        import models
-        models.tiny_pipeline_path(cfg.model, cfg.cache_dir)
-    if "RANK" in os.environ:  # under torchrun
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        run_rank(cfg, rank, world, int(os.environ.get("LOCAL_RANK", 0)),
-                 (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
-                 agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
-        return 0
-    if cfg.nproc == 1:
-        run_rank(cfg, 0, 1, 0, ("127.0.0.1", 0), agent_store=False)
-        return 0
-    import comm
-    return launch(run_rank, dataclasses.asdict(cfg), cfg.nproc, threads=cfg.threads,
-                  role_of=lambda r: comm.role_of(cfg.placement, cfg.rollout_ranks, r, cfg.nproc))
+    try:
+        if cfg.pretrained is None:  # build the tiny pipeline once, before ranks race for it
+            import models
+            models.tiny_pipeline_path(cfg.model, cfg.cache_dir)
+        if torchrun:
+            return run_rank(cfg, rank, world, int(os.environ.get("LOCAL_RANK", 0)),
+                            (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
+                            agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+        if cfg.nproc == 1:
+            return run_rank(cfg, 0, 1, 0, ("127.0.0.1", 0), agent_store=False)
+        import comm
+        return launch(run_rank, dataclasses.asdict(cfg), cfg.nproc, threads=cfg.threads,
+                      role_of=lambda r: comm.role_of(cfg.placement, cfg.rollout_ranks, r, cfg.nproc))
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 if __name__ == "__main__":

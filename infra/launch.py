@@ -4,28 +4,60 @@
 
 Under torchrun each process is a rank and torchrun watches them; started as one process, main.py
 spawns the ranks here. If one rank fails (an exception, a signal, or a silent peer reported by its
-watchdog, infra/liveness.py), the others are stopped (SIGTERM, then SIGKILL after 10 s: a frozen
-process ignores SIGTERM) and the exit message names the first failure: a rank killed by a signal,
-else the earliest report.
+watchdog, infra/liveness.py), the others are SIGKILLed and the exit message names the first failure:
+a rank killed by a signal, else the earliest report.
+
+- The store's port: the OS picks a free one for a socket that is bound and listening *before* the ranks
+  start and is handed to rank 0, whose store serves on it (TCPStore's master_listen_fd). Nothing can take the
+  port in between, so any number of jobs started together on one host each get their own store (binding,
+  closing and rebinding a "free" port let two jobs pick the same one: EADDRINUSE).
+- Stopping: SIGTERM or SIGINT to the launcher is forwarded (once) to every rank, which stop after the current
+  step with a checkpoint (infra/preemption.py); the launcher waits for them and exits with their status 75.
+  Another signal more than preemption.SAME_REQUEST_S later SIGKILLs the ranks at once.
+- The ranks die with the launcher (infra/lifeline.py): a SIGKILLed launcher leaves no rank behind.
 """
 from __future__ import annotations
 
+import datetime
+import multiprocessing
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 
+from infra import lifeline
 from infra.liveness import FROZEN, GONE, STALLED  # reports of a liveness watchdog: the message names the rank itself
+from infra.preemption import EXIT_PREEMPTED, StopSignals, signal_name
+
+HOST = "127.0.0.1"
+PREEMPTED_WAIT_S = 60.0  # after one rank exited preempted, the others must follow within this
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def listening_socket(host: str = HOST) -> socket.socket:
+    """A TCP socket on a port the OS picked, bound and listening: the port stays ours until the socket is closed."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((host, 0))
+    sock.listen(128)
+    return sock
 
 
-def _entry(target, rank, world, port, payload, failures, threads):
+def open_store(master: tuple, world: int, is_master: bool, timeout_s: float):
+    """The job's TCPStore at master = (host, port[, listening socket]): with a socket, the host rank serves on it.
+    (torch is imported here, not at the top: the launcher process needs none of it.)"""
+    import torch.distributed as dist
+
+    host, port = master[0], master[1]
+    listener = master[2] if len(master) > 2 else None
+    extra = {"master_listen_fd": listener.detach()} if is_master and listener is not None else {}
+    return dist.TCPStore(host, port, world, is_master=is_master, timeout=datetime.timedelta(seconds=timeout_s),
+                         **extra)
+
+
+def _entry(target, rank, world, master, payload, failures, threads, launcher_pid):
+    lifeline.die_with_parent(launcher_pid)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     import faulthandler
     faulthandler.enable()  # a rank that aborts in native code (SIGABRT/SIGSEGV) still prints its Python stack
@@ -34,7 +66,7 @@ def _entry(target, rank, world, port, payload, failures, threads):
         failures.put((time.time(), rank, message, kind))
 
     try:
-        target(payload, rank, world, rank, ("127.0.0.1", port), False, report_silent)
+        target(payload, rank, world, rank, master, False, report_silent)
     except BaseException as exc:
         failures.put((time.time(), rank, f"{type(exc).__name__}: {exc}", "error"))  # the launcher names it
         raise
@@ -65,35 +97,92 @@ def first_failure(exitcodes: list, reports: list, role_of: Callable[[int], str])
     return None
 
 
-def launch(target, payload, nproc: int, role_of: Callable[[int], str], threads: int = 1) -> int:
-    """Spawn `nproc` ranks running target(payload, rank, world, local_rank, master, agent_store, report_silent);
-    returns 0, or 1 after printing which rank failed first."""
-    import torch.multiprocessing as mp
+class _Forwarder:
+    """The launcher's stop signals: the first is forwarded to every rank once, another one SIGKILLs them."""
 
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    failures = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_entry, args=(target, r, nproc, port, payload, failures, threads))
-             for r in range(nproc)]
+    def __init__(self, procs):
+        self.procs, self.signum, self.killed = procs, None, False
+
+    def first(self, signum: int) -> None:
+        self.signum = signum
+        print(f"[digenrl] launcher: {signal_name(signum)}: the ranks stop after the current step with a checkpoint",
+              file=sys.stderr, flush=True)
+        _signal_all(self.procs, signal.SIGTERM)
+
+    def again(self, signum: int) -> None:
+        self.killed = True
+        print(f"[digenrl] launcher: {signal_name(signum)} again: killing the ranks", file=sys.stderr, flush=True)
+        _signal_all(self.procs, signal.SIGKILL)
+
+
+def _signal_all(procs, signum: int) -> None:
     for p in procs:
-        p.start()
-    while all(p.exitcode in (None, 0) for p in procs) and any(p.is_alive() for p in procs):
+        if p.pid is not None and p.exitcode is None:
+            try:
+                os.kill(p.pid, signum)
+            except OSError:
+                pass  # gone already
+
+
+def launch(target, payload, nproc: int, role_of: Callable[[int], str], threads: int = 1,
+           start_method: str = "spawn") -> int:
+    """Spawn `nproc` ranks running target(payload, rank, world, local_rank, master, agent_store, report_silent);
+    returns 0, EXIT_PREEMPTED when they stopped on a signal with a checkpoint, 128 + signal when killed on a
+    second signal, or 1 after printing which rank failed first. `start_method` "fork" only for tests whose ranks
+    should share the launcher's imports (tests/rendezvous_job.py): CUDA needs fresh processes."""
+    ctx = multiprocessing.get_context(start_method)
+    listener = listening_socket()  # held until rank 0's store serves on it
+    master = (HOST, listener.getsockname()[1])
+    failures = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_entry, args=(target, r, nproc, master + ((listener,) if r == 0 else ()), payload,
+                                              failures, threads, os.getpid()))
+             for r in range(nproc)]
+    forwarder = _Forwarder(procs)
+    signals = StopSignals(forwarder.first, forwarder.again)
+    if threading.current_thread() is threading.main_thread():
+        signals.install()
+    try:
+        for p in procs:
+            p.start()
+        code = _watch(procs, failures, role_of, forwarder)
+    finally:
+        signals.uninstall()
+        listener.close()
+    return code
+
+
+def _watch(procs, failures, role_of, forwarder: _Forwarder) -> int:
+    preempted_at = None
+    while any(p.is_alive() for p in procs):
+        codes = [p.exitcode for p in procs]
+        if forwarder.killed or any(c not in (None, 0, EXIT_PREEMPTED) for c in codes):
+            break
+        if EXIT_PREEMPTED in codes:
+            preempted_at = preempted_at or time.monotonic()
+            if time.monotonic() - preempted_at > PREEMPTED_WAIT_S:
+                break
         time.sleep(0.05)
-    if all(p.exitcode == 0 for p in procs):
+    for p in procs:
+        p.join(0.5 if forwarder.killed else 0)
+    codes = [p.exitcode for p in procs]
+    if all(c == 0 for c in codes):
         return 0
+    if all(c in (0, EXIT_PREEMPTED) for c in codes):
+        return EXIT_PREEMPTED
+    if forwarder.killed:
+        _signal_all(procs, signal.SIGKILL)
+        for p in procs:
+            p.join(5)
+        return 128 + forwarder.signum
     time.sleep(0.5)  # let the ranks that failed first report before we decide who it was
     reports = []
     while not failures.empty():
         reports.append(failures.get())
-    message = first_failure([p.exitcode for p in procs], reports, role_of)
+    message = first_failure(codes, reports, role_of)
+    if forwarder.signum is not None:
+        message = f"stopped by {signal_name(forwarder.signum)}; {message or 'a rank did not stop cleanly'}"
     print(f"[digenrl] {message}; stopping the other ranks", file=sys.stderr, flush=True)
+    _signal_all(procs, signal.SIGKILL)  # a failed job: nothing left to finish (checkpoints are atomic)
     for p in procs:
-        if p.is_alive():
-            p.terminate()
-    deadline = time.monotonic() + 10
-    for p in procs:
-        p.join(max(deadline - time.monotonic(), 0.1))
-        if p.is_alive():
-            p.kill()
-            p.join(5)
+        p.join(10)
     return 1

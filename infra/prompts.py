@@ -15,6 +15,8 @@
   `note` says so.
 - A `.jsonl` file (or a text file whose first line is a JSON object) given as a text file is refused: its lines
   would be trained on as raw JSON. Give the folder that holds `train_metadata.jsonl` / `test_metadata.jsonl`.
+- A prompt holding a control character other than tab (NUL, escape, form feed, ...; a binary file that happens to
+  decode as UTF-8) is refused naming the file, the line and the character.
 Every problem is a ValueError naming the path and what is expected; config.validate calls this before spawning.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import unicodedata
 
 MAX_HELD_OUT = 8  # held-out prompts cut from a plain text file (each costs one generation per evaluation)
 
@@ -36,12 +39,23 @@ class PromptSource:
     note: str = ""
 
 
+def _check_text(path: str, number: int, text: str) -> None:
+    """A prompt is text: no control characters but tab (a line's own newline is not part of it)."""
+    bad = next((ch for ch in text if unicodedata.category(ch) == "Cc" and ch != "\t"), None)
+    if bad is not None:
+        raise ValueError(f"--prompt-file {path!r} line {number} holds the control character U+{ord(bad):04X} "
+                         f"({bad!r}): prompts must be plain text (is it a binary file?)")
+
+
 def _read_text(path: str) -> list[str]:
     try:
-        with open(path, encoding="utf-8") as f:
-            return [line.strip() for line in f if line.strip()]
+        with open(path, encoding="utf-8", newline="") as f:
+            lines = [line.rstrip("\r\n") for line in f]
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"--prompt-file {path!r} cannot be read: {exc}") from exc
+    for number, line in enumerate(lines, 1):
+        _check_text(path, number, line)
+    return [line.strip() for line in lines if line.strip()]
 
 
 def _read_jsonl(path: str) -> tuple[list[str], list[dict]]:
@@ -54,6 +68,7 @@ def _read_jsonl(path: str) -> tuple[list[str], list[dict]]:
                 row = json.loads(line)
                 if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
                     raise ValueError(f"line {number} has no non-empty string field 'prompt'")
+                _check_text(path, number, row["prompt"])
                 prompts.append(row["prompt"].strip())
                 rows.append(row)
     except (OSError, UnicodeDecodeError, ValueError) as exc:  # json.JSONDecodeError is a ValueError

@@ -7,7 +7,8 @@ runs/<name>/
   eval/step_000010.png   deterministic samples after 10 updates, captioned with prompts and rewards (videos: .gif)
   before_after.png       the first evaluation next to the latest one, same prompts and noises (videos: .gif)
   tensorboard/, wandb/   with --tensorboard / --wandb (infra/tracking.py); wandb_id.txt: the W&B run to resume
-  checkpoints/step_000050/  state.pt (weights, optimizer, step, RNG, config) and, with LoRA,
+  checkpoints/step_000050/  state.pt (weights, optimizer, step, RNG, config: tensors and plain data only, loaded
+                            with weights_only=True: a state.pt that would run code is refused) and, with LoRA,
                             pytorch_lora_weights.safetensors that `pipe.load_lora_weights` accepts
                             (alpha, rank and targets in its header: diffusers' LoRA adapter metadata)
 Every file is written atomically (temporary name, flush, fsync, rename): a crash never leaves half a file.
@@ -18,6 +19,7 @@ import dataclasses
 import json
 import math
 import os
+import pickle
 import random
 import shutil
 
@@ -256,13 +258,39 @@ def identity(cfg) -> dict:
     return {k: getattr(cfg, k) for k in IDENTITY_FIELDS}
 
 
+# Older checkpoints kept numpy's RNG state as a numpy array: allowed by name (an array of numbers runs no code).
+_NUMPY_ARRAY_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32)),
+                        getattr(np, "_core", getattr(np, "core", None)).multiarray._reconstruct]
+
+
+def load_state(checkpoint: str) -> dict:
+    """A checkpoint's state.pt, memory-mapped (each tensor is read when it is used), with weights_only=True:
+    tensors and plain data only. A pickle that names anything else (a class, os.system, ...) could run code on
+    load and is refused with a ValueError: a shared checkpoint or run folder must not run code."""
+    path = os.path.join(checkpoint, "state.pt")
+    try:
+        with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as error:
+        if "weights only" not in str(error).lower():  # not torch's refusal: a file that is no checkpoint at all
+            raise ValueError(f"checkpoint {path!r} cannot be read: {str(error).splitlines()[0]}") from None
+        why = next((line.strip() for line in str(error).splitlines() if "GLOBAL" in line or "global" in line),
+                   str(error).splitlines()[0])
+        raise ValueError(f"checkpoint {path!r} holds more than tensors and plain data ({why}): refused to load it, "
+                         "since unpickling it could run code. Only resume from checkpoints this project "
+                         "wrote") from None
+    except (OSError, RuntimeError, EOFError) as error:  # truncated or not a torch file at all
+        raise ValueError(f"checkpoint {path!r} cannot be read: {type(error).__name__}: "
+                         f"{str(error).splitlines()[0] if str(error) else ''}") from None
+
+
 def _meta(checkpoint: str) -> dict:
     """{"step", "identity"} of a checkpoint: meta.json, or (older checkpoints) state.pt memory-mapped."""
     path = os.path.join(checkpoint, "meta.json")
     if os.path.isfile(path):
         with open(path) as f:
             return json.load(f)
-    state = torch.load(os.path.join(checkpoint, "state.pt"), map_location="cpu", weights_only=False, mmap=True)
+    state = load_state(checkpoint)
     return {"step": state["step"], "identity": state["identity"]}
 
 
@@ -277,6 +305,7 @@ def check_resume(run_path: str, cfg) -> str:
     ckpts = list_checkpoints(run_path)
     if not ckpts:
         raise ValueError(f"--resume {run_path!r} has no complete checkpoint under checkpoints/")
+    load_state(ckpts[-1])  # refuses a state.pt that would run code, before any rank starts (cheap: memory-mapped)
     theirs, ours = _meta(ckpts[-1])["identity"], identity(cfg)
     diff = {k: (theirs.get(k), ours[k]) for k in ours if theirs.get(k) != ours[k]}
     if diff:
@@ -286,13 +315,18 @@ def check_resume(run_path: str, cfg) -> str:
 
 
 def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Plain data and tensors only (load_state's weights_only): numpy's key array as a tensor."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "numpy": (name, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
+                                                      cached), "python": random.getstate()}
 
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    name, keys, *rest = state["numpy"]
+    keys = keys.numpy() if torch.is_tensor(keys) else np.asarray(keys)
+    np.random.set_state((name, keys.astype(np.uint32), *rest))
+    random.setstate(tuple(state["python"]))
 
 
 def smooth(values: list[float], window: int) -> list[float]:
@@ -357,7 +391,12 @@ def open_run_dir(cfg, steps) -> RunDir:
     wandb = dict(project=cfg.wandb_project, name=cfg.wandb_name, config=dataclasses.asdict(cfg)) if cfg.wandb else None
     run_dir = RunDir(run_path, config_lib.to_json(cfg), cfg.tensorboard, cfg.keep_checkpoints, wandb)
     if cfg.resume:
+        redone = sorted({r["step"] for r in run_dir.read_metrics() if r["step"] >= steps.start})
         run_dir.truncate_metrics(steps.start)
+        again = (f"; steps {redone[0]}-{redone[-1]} were logged after that checkpoint: their rows are dropped and the "
+                 "steps redone" if redone else "")
+        print(f"[digenrl] resumed from step {steps.start} (checkpoint {list_checkpoints(run_path)[-1]}): steps "
+              f"{steps.start}-{steps.stop - 1} to run{again}", flush=True)
     print(f"[digenrl] run dir {run_path}\n[digenrl] config {json.dumps(dataclasses.asdict(cfg), sort_keys=True)}",
           flush=True)
     return run_dir

@@ -50,6 +50,9 @@ def read_saved(path: str, config_cls) -> dict:
     if unknown:
         print(f"[digenrl] {path}: ignoring fields this version does not have: {', '.join(unknown)}", file=sys.stderr)
     saved = {k: v for k, v in saved.items() if k in names and k not in NOT_SAVED}
+    for key in ("remote_url", "remote_protocol", "remote_score_key"):  # several remote rewards as a JSON object
+        if isinstance(saved.get(key), dict):  # {"geneval": "http://...", "deqa": "http://..."} -> NAME=VALUE,...
+            saved[key] = ",".join(f"{name}={value}" for name, value in saved[key].items())
     if saved.get("mode") == "custom":
         saved["mode"] = None
     return saved

@@ -9,14 +9,41 @@
 runs/<name>/wandb/ without any network (upload later with `wandb sync runs/<name>/wandb/offline-run-*`).
 The W&B run id is kept in runs/<name>/wandb_id.txt, so `--resume` continues the same W&B run.
 Steps are metrics.jsonl's `step` (0-based), as in TensorBoard.
+`check_wandb_login()` runs before any rank starts: online W&B without a login would otherwise fail (or wait for a
+prompt nobody answers) only once the model is loaded.
 """
 from __future__ import annotations
 
+import netrc
 import os
 import secrets
+import urllib.parse
 
 import numpy as np
 import torch
+
+
+OFFLINE_MODES = ("offline", "dryrun", "disabled")
+
+
+def check_wandb_login(environ=None) -> None:
+    """ValueError unless W&B is offline / disabled or a login is there: WANDB_API_KEY, an identity token file, or a
+    netrc entry for the W&B host (what `wandb login` writes). Reads no network."""
+    environ = os.environ if environ is None else environ
+    if environ.get("WANDB_MODE", "").lower() in OFFLINE_MODES or environ.get("WANDB_DISABLED", "").lower() in (
+            "true", "1"):
+        return
+    if environ.get("WANDB_API_KEY") or environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return
+    host = urllib.parse.urlparse(environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    path = environ.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+    try:
+        if netrc.netrc(path).authenticators(host):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    raise ValueError(f"--wandb: no W&B login here (no WANDB_API_KEY, no {path} entry for {host}): run `wandb login` "
+                     "or set WANDB_API_KEY; or WANDB_MODE=offline to log into the run directory and `wandb sync` later")
 
 
 def _filmstrip(image: torch.Tensor) -> np.ndarray:

@@ -150,6 +150,7 @@ class LoraFile:
     rank: int
     alpha: float
     alpha_source: str  # "metadata" or "assumed = rank (no metadata)"
+    target_modules: list[str] | None = None  # the adapter config's list (peft adapter_config.json or metadata)
 
     @property
     def modules(self) -> set[str]:
@@ -197,9 +198,11 @@ def read_lora_file(path: str, tensors: bool = True) -> LoraFile:
     if len(ranks) != 1:
         raise ValueError(f"--init-lora {file!r} mixes LoRA ranks {sorted(ranks)}; one rank per file is supported")
     rank = ranks.pop()
+    targets = meta.get("target_modules") if meta else None
+    targets = sorted(targets) if isinstance(targets, (list, tuple)) and targets else None  # a regex string: no list
     if meta and meta.get("lora_alpha") is not None:
-        return LoraFile(file, out, int(meta.get("r", rank)), float(meta["lora_alpha"]), "metadata")
-    return LoraFile(file, out, rank, float(rank), "assumed = rank (no metadata)")
+        return LoraFile(file, out, int(meta.get("r", rank)), float(meta["lora_alpha"]), "metadata", targets)
+    return LoraFile(file, out, rank, float(rank), "assumed = rank (no metadata)", targets)
 
 
 def load_init_lora(transformer, path: str) -> LoraFile:
@@ -232,6 +235,19 @@ def default_rank_alpha(family_name: str, init_lora: str | None = None) -> tuple[
             pass  # config.validate reports the unreadable file
     p = preset(family_name)
     return p.rank, p.alpha
+
+
+def default_targets(init_lora: str | None) -> str:
+    """--lora-targets when unset: --init-lora's target_modules as a comma list (Flow-GRPO's peft folders list them in
+    adapter_config.json), else the flow_grpo preset (config.validate then checks the file against it)."""
+    if init_lora is not None:
+        try:
+            lora = read_lora_file(init_lora, tensors=False)
+        except ValueError:
+            return "flow_grpo"  # config.validate reports the unreadable file
+        if lora.target_modules and all(re.fullmatch(r"[A-Za-z_][\w]*(\.\w+)*", t) for t in lora.target_modules):
+            return ",".join(lora.target_modules)
+    return "flow_grpo"
 
 
 def adapted_modules(transformer, target_modules) -> set[str]:

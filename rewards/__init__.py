@@ -18,7 +18,15 @@ Custom rewards (loaded by rewards/custom.py): a spec name ``path/to/file.py:func
 ``package.module:function`` names
 any callable with the reward signature above, e.g. ``--reward my_rewards.py:aesthetic=0.5,color=1``.
 It gets the images (or videos) as they are and returns [B] scores or Flow-GRPO's (scores, info); its
-metrics are keyed by the name as written. ``check_reward_options`` imports it (the file by path, so
+metrics are named after the file's stem (or the module's last part) and the function, never a path
+(``reward_my_rewards_aesthetic_mean``: W&B and TensorBoard names keep to letters, digits and underscores, and
+moving the file keeps the name).
+
+Remote rewards (rewards/remote.py): ``remote`` with ``--remote-url URL``, or several at once, each with its
+weight and its own server, as ``remote:NAME`` (``--reward remote:geneval=1,remote:deqa=0.5 --remote-url
+geneval=http://h:18085,deqa=http://h:18086 --remote-score-key geneval=scores,deqa=outputs``), logged separately
+(``reward_remote_geneval_mean``). ``check_remote_servers`` sends each server one small request before any rank
+starts and checks its answer. ``check_reward_options`` imports it (the file by path, so
 spawned rank processes find it without sys.path) and checks that the attribute exists and is callable;
 ``build_reward(..., probe=probe_batch(...))`` dry-calls it.
 A non-finite score is passed on as it is: the trainer skips that step (``--max-bad-steps``).
@@ -44,8 +52,10 @@ from einops import rearrange
 from PIL import Image
 
 from rewards.checked import CheckedReward, CombinedReward, probe_batch, takes_metadata  # noqa: F401
-from rewards.custom import CUSTOM_FORMS, is_custom, load_custom_reward, split_custom
+from rewards.custom import CUSTOM_FORMS, custom_metric_name, is_custom, load_custom_reward, split_custom
 from rewards.remote import PROTOCOLS, RemoteRewardError, remote_scorer  # noqa: F401  (re-exported)
+
+REMOTE_PREFIX = "remote:"  # remote:NAME, one of several remote rewards (each with its own server)
 
 RewardFn = Callable[[torch.Tensor, list[str]], torch.Tensor]
 
@@ -57,12 +67,13 @@ class RewardOptions:
     clip_path: str | None = None  # local directory with a saved CLIPModel + CLIPProcessor
     remote_url: str | None = None  # http(s) URL of a reward server (see ``remote``)
     remote_timeout_s: float = 30.0  # per request; a slow server counts as a failed attempt
-    remote_retries: int = 3  # retries after the first attempt, for timeouts/connection/5xx
-    remote_backoff_s: float = 0.5  # sleep before retry k (0-based) is backoff * 2**k
+    remote_retries: int = 7  # retries after the first attempt, for timeouts/connection/5xx
+    remote_backoff_s: float = 1.0  # sleep before retry k (0-based): min(backoff * 2**k, remote.BACKOFF_CAP_S)
     remote_protocol: str = "json"  # "json" or "flow_grpo" (pickled JPEG batches; rewards/remote.py)
     remote_score_key: str = "scores"  # the answer's key holding the scores (DeQA / UnifiedReward: "outputs")
     remote_batch_size: int = 64  # images per request (Flow-GRPO's clients send 64)
     remote_frames: str = "all"  # videos: "all" frames scored as images and averaged, or only the "middle" one
+    remote_name: str = "remote"  # which remote reward these settings are for: "remote" or "remote:NAME"
     device: str = "cpu"  # where model-based rewards (CLIP) run
 
 
@@ -242,7 +253,9 @@ def _make_remote(options: RewardOptions) -> RewardFn:
     metadata repeated) and scores the mean over frames, or only its middle frame (remote_frames="middle")."""
     score = remote_scorer(options.remote_url, options.remote_timeout_s, options.remote_retries,
                           options.remote_backoff_s, options.remote_protocol, options.remote_score_key,
-                          options.remote_batch_size)
+                          options.remote_batch_size,
+                          key_flag="--remote-score-key " + (options.remote_name[len(REMOTE_PREFIX):] + "="
+                                                             if options.remote_name.startswith(REMOTE_PREFIX) else ""))
     middle_only = options.remote_frames == "middle"
 
     def remote(images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> torch.Tensor:
@@ -259,10 +272,56 @@ def _make_remote(options: RewardOptions) -> RewardFn:
     return remote
 
 
+def is_remote(name: str) -> bool:
+    return name == "remote" or name.startswith(REMOTE_PREFIX)
+
+
+def metric_name(name: str) -> str:
+    """What a reward of the spec is logged as (`reward_<metric name>_mean`): letters, digits and underscores."""
+    if name.startswith(REMOTE_PREFIX):
+        return "remote_" + name[len(REMOTE_PREFIX):]
+    return custom_metric_name(name) if is_custom(name) else name
+
+
+_PER_NAME = re.compile(r"^([A-Za-z_][\w-]*)=(.*)$")
+
+
+def per_name(value, name: str, flag: str):
+    """The setting of remote reward `name` ("remote" or "remote:NAME") in `value`: one value for every remote
+    reward, or a comma list of NAME=VALUE (a value holding no NAME= prefix, e.g. a URL, is one value)."""
+    if not isinstance(value, str) or not _PER_NAME.match(value):
+        return value
+    items = [m for m in (_PER_NAME.match(part.strip()) for part in re.split(r",(?=\s*[A-Za-z_][\w-]*=)", value))]
+    if not all(items):
+        raise ValueError(f"{flag} {value!r}: give one value, or NAME=VALUE,NAME=VALUE for the remote:NAME rewards")
+    table = {m.group(1): m.group(2).strip() for m in items}
+    key = name[len(REMOTE_PREFIX):] if name.startswith(REMOTE_PREFIX) else None
+    if key not in table:
+        wanted = f"an entry {key}=..." if key else "one value (the reward is plain 'remote')"
+        raise ValueError(f"{flag} {value!r} has no setting for reward {name!r}: give {wanted}")
+    return table[key]
+
+
+def remote_options(options: RewardOptions, name: str) -> RewardOptions:
+    """`options` with remote reward `name`'s own URL, protocol and score key (see per_name)."""
+    out = dataclasses.replace(
+        options, remote_url=per_name(options.remote_url, name, "--remote-url"),
+        remote_protocol=per_name(options.remote_protocol, name, "--remote-protocol"),
+        remote_score_key=per_name(options.remote_score_key, name, "--remote-score-key"))
+    out.remote_name = name
+    return out
+
+
 def make_reward(name: str, options: RewardOptions | None = None) -> CheckedReward:
-    """One reward fn by spec name: a registered one, or a custom function (shape-checked)."""
+    """One reward fn by spec name: a registered one, a remote:NAME one, or a custom function (shape-checked)."""
     if is_custom(name):
         return _checked(load_custom_reward(name), name)
+    if name.startswith(REMOTE_PREFIX):
+        fn = REWARDS["remote"](remote_options(options or RewardOptions(), name))
+        fn.name = fn.__name__ = name
+        return fn
+    if name == "remote":
+        return REWARDS["remote"](remote_options(options or RewardOptions(), name))
     return REWARDS[name](options)
 
 
@@ -279,6 +338,10 @@ def parse_reward_spec(spec: str) -> dict[str, float]:
         name = name.strip()
         if is_custom(name):
             split_custom(name)  # syntax only: importing is check_reward_options' job
+        elif name.startswith(REMOTE_PREFIX):
+            if not re.fullmatch(r"[A-Za-z_][\w-]*", name[len(REMOTE_PREFIX):]):
+                raise ValueError(f"bad remote reward {name!r} in spec {spec!r}: give remote:NAME with NAME a word "
+                                 "(letters, digits, _ or -), e.g. remote:geneval")
         elif name not in REWARDS:
             raise ValueError(f"unknown reward {name!r} in spec {spec!r}; known rewards: "
                              f"{sorted(REWARDS)}, or a custom one as {CUSTOM_FORMS}")
@@ -292,6 +355,12 @@ def parse_reward_spec(spec: str) -> dict[str, float]:
             raise ValueError(f"bad weight {weight_text.strip()!r} for reward {name!r} in spec "
                              f"{spec!r}; need a finite number")
         weights[name] = weight
+    by_metric: dict[str, str] = {}
+    for name in weights:
+        other = by_metric.setdefault(metric_name(name), name)
+        if other != name:
+            raise ValueError(f"rewards {other!r} and {name!r} would both be logged as {metric_name(name)!r}; rename "
+                             "one function or file")
     return weights
 
 
@@ -308,22 +377,37 @@ def check_reward_options(spec: str | Mapping[str, float], options: RewardOptions
         if not os.path.isdir(options.clip_path):
             raise FileNotFoundError(f"--clip-path {options.clip_path!r} is not a directory; "
                                     f"clip_score needs a saved CLIPModel + CLIPProcessor there")
-    if "remote" in names:
-        url = options.remote_url or ""
+    remotes = [n for n in names if is_remote(n)]
+    for name in remotes:
+        named = remote_options(options, name)
+        url = named.remote_url or ""
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"reward 'remote' needs --remote-url starting with http:// or "
-                             f"https://, got {options.remote_url!r}")
+            raise ValueError(f"reward {name!r} needs --remote-url starting with http:// or "
+                             f"https://, got {named.remote_url!r}")
         if options.remote_timeout_s <= 0 or options.remote_retries < 0 \
                 or options.remote_backoff_s < 0 or options.remote_batch_size < 1:
             raise ValueError(f"remote reward needs timeout > 0, retries >= 0, backoff >= 0, batch size >= 1; "
                              f"got timeout {options.remote_timeout_s}, retries {options.remote_retries}, "
                              f"backoff {options.remote_backoff_s}, batch size {options.remote_batch_size}")
-        if options.remote_protocol not in PROTOCOLS:
-            raise ValueError(f"--remote-protocol {options.remote_protocol!r} is not one of {', '.join(PROTOCOLS)}")
+        if named.remote_protocol not in PROTOCOLS:
+            raise ValueError(f"--remote-protocol {named.remote_protocol!r} (reward {name!r}) is not one of "
+                             f"{', '.join(PROTOCOLS)}")
         if options.remote_frames not in ("all", "middle"):
             raise ValueError(f"--remote-frames {options.remote_frames!r} is not one of all, middle")
-        if not options.remote_score_key:
+        if not named.remote_score_key:
             raise ValueError("--remote-score-key must name the answer's score key (e.g. scores, outputs)")
+
+
+def check_remote_servers(spec: str, options: RewardOptions, probe) -> None:
+    """Before any rank starts: each remote reward's server gets one small request (blank images of the run's size
+    with the first prompts and their metadata, as training sends them) and its answer is checked: the protocol
+    and safe unpickling, the score key, one finite score per image. A failure is a ValueError naming the server."""
+    images, prompts, metadata = probe
+    for name in (n for n in parse_reward_spec(spec) if is_remote(n)):
+        try:
+            make_reward(name, options)(torch.zeros_like(images), prompts, metadata)
+        except RemoteRewardError as error:
+            raise ValueError(f"reward {name!r}: the check request before training failed: {error}") from None
 
 
 # ---------------------------------------------------------------- what a reward needs of the prompts
@@ -355,7 +439,8 @@ def build_reward(spec: str, options: RewardOptions | None = None, probe=None) ->
     options = options or RewardOptions()
     weights = parse_reward_spec(spec)
     check_reward_options(weights, options)
-    reward = CombinedReward({name: make_reward(name, options) for name in weights}, weights)
+    reward = CombinedReward({metric_name(name): make_reward(name, options) for name in weights},
+                            {metric_name(name): weight for name, weight in weights.items()})
     if probe is not None:
         reward.probe(*probe)
     return reward

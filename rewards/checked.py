@@ -134,13 +134,13 @@ class CombinedReward:
         """Dry-call every custom reward on a tiny batch: a wrong return type or length fails here (before any rank
         starts), naming the function; the numeric info keys it returns become logged columns."""
         for name, fn in self.fns.items():
-            if not is_custom(name):
+            if not is_custom(fn.name):  # keyed by metric name; the CheckedReward keeps the spec name
                 continue
             try:
                 _, info = fn.scored(images, prompts, metadata)
             except Exception as error:  # noqa: BLE001  (user code: any failure is a bad reward)
                 how = "fn(images, prompts, metadata)" if fn.wants_metadata else "fn(images, prompts)"
-                raise ValueError(f"custom reward {name!r} failed a dry call as {how} on {images.shape[0]} probe "
+                raise ValueError(f"custom reward {fn.name!r} failed a dry call as {how} on {images.shape[0]} probe "
                                  f"images {tuple(images.shape)}: {type(error).__name__}: {error}") from None
             if info:
                 self.info_keys[name] = sorted(info)

@@ -26,8 +26,18 @@ _loaded_files: dict[str, object] = {}  # absolute path -> module, so a file is e
 
 
 def is_custom(name: str) -> bool:
-    """A spec name with a colon names a custom reward function rather than a built-in one."""
-    return ":" in name
+    """A spec name with a colon names a custom reward function rather than a built-in one (remote:NAME is a
+    remote reward, rewards/__init__.py)."""
+    return ":" in name and not name.startswith("remote:")
+
+
+def custom_metric_name(name: str) -> str:
+    """How a custom reward is logged: the file's stem (or the module's last part) and the function, joined and
+    cut to letters, digits and underscores: 'dir/my_rewards.py:aesthetic' -> 'my_rewards_aesthetic'. Never a
+    path: slashes split W&B and TensorBoard groups, and moving the file would rename the metric."""
+    target, attribute = split_custom(name)
+    stem = os.path.splitext(os.path.basename(target))[0] if _is_file(target) else target.rpartition(".")[2]
+    return re.sub(r"\W", "_", f"{stem}_{attribute}")
 
 
 def split_custom(name: str) -> tuple[str, str]:

@@ -15,9 +15,11 @@
 
 Answers are unpickled by `safe_loads`, which admits only plain containers, numbers, strings, bytes and numpy arrays:
 a pickle that names any other callable (os.system, eval, a class with __reduce__) is refused before anything runs.
-Timeouts, connection errors and HTTP 5xx are retried with exponential backoff; HTTP 4xx and malformed answers
-(wrong count, non-numbers, NaN) are errors at once, never silently zero. Every error names the server and carries
-the start of its answer body (a Flask server puts its traceback there).
+Timeouts, connection errors and HTTP 5xx are retried with exponential backoff capped at BACKOFF_CAP_S (the default
+7 retries wait 1, 2, 4, 8, 15, 15, 15 s: a server restart of a minute is ridden out), each retry said on stderr;
+HTTP 4xx and malformed answers (wrong count, non-numbers, NaN) are errors at once, never silently zero. Every error
+names the server and carries its answer body as text: an unpickled answer as the data it holds, anything else (a
+Flask traceback) decoded. A missing score key names the keys found and the setting that would read them.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ import io
 import json
 import math
 import pickle
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -38,6 +41,12 @@ from PIL import Image
 
 PROTOCOLS = ("json", "flow_grpo")
 BODY_SHOWN = 600  # characters of a server's answer quoted in errors
+BACKOFF_CAP_S = 15.0  # the longest wait between two attempts
+
+
+def backoff_delays(retries: int, base_s: float, cap_s: float = BACKOFF_CAP_S) -> list[float]:
+    """Seconds slept before each retry: base, 2 base, 4 base, ... capped at cap_s."""
+    return [min(base_s * 2**k, cap_s) for k in range(retries)]
 
 
 class RemoteRewardError(RuntimeError):
@@ -91,49 +100,87 @@ def _jpeg_bytes(image: Image.Image) -> bytes:
     return buffer.getvalue()
 
 
-def _quote(body: bytes) -> str:
-    """The answer body on one line (lines joined by " | "); a long one keeps its start and its end, where a
+def _as_text(body: bytes, protocol: str) -> str:
+    """A pickled answer as the data it holds (numpy arrays as lists), when it unpickles safely; else the bytes
+    decoded (JSON, an HTML or traceback page)."""
+    if protocol == "flow_grpo":
+        try:
+            answer = safe_loads(body)
+        except Exception:  # noqa: BLE001  not a (safe) pickle: show it as text
+            pass
+        else:
+            return repr(_plain(answer))
+    return body.decode("utf-8", errors="replace")
+
+
+def _plain(value):
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value.item() if isinstance(value, np.generic) else value
+
+
+def _quote(body: bytes, protocol: str = "json") -> str:
+    """The answer body as text on one line (lines joined by " | "); a long one keeps its start and its end, where a
     traceback's exception is."""
-    text = " | ".join(line.strip() for line in body.decode("utf-8", errors="replace").splitlines() if line.strip())
+    text = " | ".join(line.strip() for line in _as_text(body, protocol).splitlines() if line.strip())
     if len(text) > BODY_SHOWN:
         text = f"{text[:BODY_SHOWN // 3]} ... {text[-2 * BODY_SHOWN // 3:]} ({len(text)} characters)"
     return f"<<{text}>>"
 
 
-def _parse_answer(body: bytes, url: str, protocol: str, key: str, expected: int) -> list[float]:
-    """The server's answer -> `expected` finite floats under `key`; anything else is a RemoteRewardError."""
+def _score_lists(answer: dict, expected: int) -> list[str]:
+    """Keys of `answer` that hold `expected` numbers: what the score key could be set to."""
+    def numbers(v):
+        v = v.tolist() if isinstance(v, np.ndarray) and v.ndim == 1 else v
+        return isinstance(v, (list, tuple)) and len(v) == expected and all(
+            isinstance(x, (int, float, np.number)) and not isinstance(x, (bool, np.bool_)) for x in v)
+    return sorted(str(k) for k, v in answer.items() if numbers(v))
+
+
+def _parse_answer(body: bytes, url: str, protocol: str, key: str, expected: int,
+                  key_flag: str = "--remote-score-key ") -> list[float]:
+    """The server's answer -> `expected` finite floats under `key`; anything else is a RemoteRewardError.
+    `key_flag`: how the score key is set (e.g. '--remote-score-key geneval=' for a named remote reward)."""
     try:
         answer = safe_loads(body) if protocol == "flow_grpo" else json.loads(body)
     except pickle.UnpicklingError as error:
         raise RemoteRewardError(f"reward server {url} sent an answer that is not safe plain-data pickle ({error}); "
-                                f"body {_quote(body)}") from None
+                                f"body {_quote(body, protocol)}") from None
     except Exception as error:  # noqa: BLE001  (truncated pickles raise EOFError, bad JSON ValueError, ...)
         need = "a pickled dict" if protocol == "flow_grpo" else "JSON"
         raise RemoteRewardError(f"reward server {url} sent a malformed response (need {need} with {key!r}): "
-                                f"{type(error).__name__}: {error}; body {_quote(body)}") from None
+                                f"{type(error).__name__}: {error}; body {_quote(body, protocol)}") from None
     if not isinstance(answer, dict) or key not in answer:
         found = sorted(map(str, answer)) if isinstance(answer, dict) else type(answer).__name__
-        raise RemoteRewardError(f"reward server {url} sent a malformed response: no score key {key!r} (found "
-                                f"{found}); set --remote-score-key (GenEval: scores, DeQA / UnifiedReward: outputs); "
-                                f"body {_quote(body)}")
+        fits = _score_lists(answer, expected) if isinstance(answer, dict) else []
+        hint = (f"set {key_flag}{fits[0]}" if len(fits) == 1 else
+                f"set {key_flag}KEY, one of {fits}" if fits else
+                f"set {key_flag}KEY (GenEval: scores, DeQA / UnifiedReward: outputs)")
+        raise RemoteRewardError(f"reward server {url} sent a malformed response: no score key {key!r}, its keys are "
+                                f"{found}; {hint}; body {_quote(body, protocol)}")
     scores = answer[key]
     if isinstance(scores, np.ndarray) and scores.ndim == 1:
         scores = scores.tolist()
     if not isinstance(scores, (list, tuple)) or len(scores) != expected:
         raise RemoteRewardError(f"reward server {url} sent {scores!r:.200} as {key!r}; expected a list of "
-                                f"{expected} numbers (one per image); body {_quote(body)}")
+                                f"{expected} numbers (one per image); body {_quote(body, protocol)}")
     # bool is an int in Python, but a server answering true/false has a bug.
     bad = [s for s in scores if isinstance(s, (bool, np.bool_)) or not isinstance(s, (int, float, np.number))
            or not math.isfinite(float(s))]
     if bad:
         raise RemoteRewardError(f"reward server {url} sent non-finite or non-numeric scores {bad[:5]!r}; "
-                                f"body {_quote(body)}")
+                                f"body {_quote(body, protocol)}")
     return [float(s) for s in scores]
 
 
 def remote_scorer(url: str, timeout_s: float, retries: int, backoff_s: float, protocol: str = "json",
-                  score_key: str = "scores", batch_size: int = 64) -> Callable:
-    """score(pil_images, prompts, metadata) -> Tensor[B], posting batches of `batch_size` to `url`."""
+                  score_key: str = "scores", batch_size: int = 64, key_flag: str = "--remote-score-key ") -> Callable:
+    """score(pil_images, prompts, metadata) -> Tensor[B], posting batches of `batch_size` to `url`; retries wait
+    backoff_delays(retries, backoff_s)."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"--remote-protocol {protocol!r} is not one of {', '.join(PROTOCOLS)}")
 
@@ -152,20 +199,22 @@ def remote_scorer(url: str, timeout_s: float, retries: int, backoff_s: float, pr
 
     def score_batch(images, prompts, metadata) -> list[float]:
         body = encode(images, prompts, metadata)
-        attempts = retries + 1
-        for attempt in range(attempts):
+        delays = backoff_delays(retries, backoff_s)
+        for attempt in range(retries + 1):
             try:
-                return _parse_answer(post(body), url, protocol, score_key, expected=len(images))
+                return _parse_answer(post(body), url, protocol, score_key, expected=len(images), key_flag=key_flag)
             except urllib.error.HTTPError as error:  # a subclass of URLError: test it first
-                detail = f"HTTP {error.code} {error.reason}, body {_quote(error.read() or b'')}"
+                detail = f"HTTP {error.code} {error.reason}, body {_quote(error.read() or b'', protocol)}"
                 if error.code < 500:
                     raise RemoteRewardError(f"reward server {url} refused the request with {detail}") from None
                 last = detail
             except (urllib.error.URLError, http.client.HTTPException, OSError) as error:
                 last = repr(error)  # timeouts and connection errors are OSErrors too
-            if attempt + 1 < attempts:
-                time.sleep(backoff_s * 2**attempt)
-        raise RemoteRewardError(f"reward server {url} failed after {attempts} attempts; last error: {last}")
+            if attempt < retries:
+                print(f"[digenrl] reward server {url}: attempt {attempt + 1} of {retries + 1} failed ({last:.200}); "
+                      f"retrying in {delays[attempt]:g} s", file=sys.stderr, flush=True)
+                time.sleep(delays[attempt])
+        raise RemoteRewardError(f"reward server {url} failed after {retries + 1} attempts; last error: {last}")
 
     def score(images: list[Image.Image], prompts: list[str], metadata: list[dict] | None = None) -> torch.Tensor:
         metadata = list(metadata) if metadata is not None else [{} for _ in images]

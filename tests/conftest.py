@@ -65,11 +65,9 @@ def read_metrics(run_dir):
 
 
 def checkpoint_weights(run_dir, step):
-    import torch
+    from infra import rundir
 
-    state = torch.load(os.path.join(run_dir, "checkpoints", f"step_{step:06d}", "state.pt"), map_location="cpu",
-                       weights_only=False)
-    return state["weights"]
+    return rundir.load_state(os.path.join(run_dir, "checkpoints", f"step_{step:06d}"))["weights"]  # weights_only
 
 
 def rank_pids(launcher_pid: int, nproc: int, timeout_s: float = 120.0) -> dict[int, tuple[int, str]]:

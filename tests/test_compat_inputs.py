@@ -115,9 +115,8 @@ def test_both_reward_function_forms_work_and_info_becomes_columns(reward_file):
     metadata = [{"prompt": "ab"}, {"prompt": "abcd"}]
     spec = f"{reward_file}:plain,{reward_file}:flow_grpo_style=2,{reward_file}:optional_metadata"
     reward = rewards.build_reward(spec, probe=(images, ["x", "y"], metadata))
-    styled = f"{reward_file}:flow_grpo_style"
-    assert reward.names == [f"{reward_file}:plain", styled, f"{reward_file}:optional_metadata",
-                            f"{styled}/first_channel"]
+    styled = "my_rewards_flow_grpo_style"  # metric names: the file's stem and the function, never its path
+    assert reward.names == ["my_rewards_plain", styled, "my_rewards_optional_metadata", f"{styled}/first_channel"]
     scores = reward(images, ["x", "y"], metadata)
     assert list(scores) == [*reward.names, "total"]  # the column order fragments carry
     torch.testing.assert_close(scores[styled], torch.tensor([2.0, 4.0]))  # computed from the metadata

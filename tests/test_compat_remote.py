@@ -228,10 +228,13 @@ def test_geneval_style_server_with_a_metadata_dataset_wandb_and_tensorboard(tiny
         run_main(["--model", "flux", "--nproc", "2", *SMALL, "--steps", "2", "--eval-every", "2", "--eval-prompts", "2",
                   "--prompt-file", str(tmp_path / "geneval"), "--reward", f"remote=1,{custom}=0.5",
                   "--remote-url", url, "--wandb", "--wandb-project", "compat", "--tensorboard",
-                  "--run-name", "geneval"],
+                  "--run-name", "geneval_run"],
                  tmp_path, tiny_cache)
-    run = tmp_path / "geneval"
+    run = tmp_path / "geneval_run"
     rows = read_metrics(run)
+    probe, _ = log.pop(0)  # the check request before any rank starts: 2 blank images, the first prompts' rows
+    assert probe["prompts"] == train[:2] and [m["prompt"] for m in probe["meta_datas"]] == train[:2]
+    assert all(redness(im) == 0 for im in probe["images"])
     # Evaluation (before step 0 and after step 1) asks for the first 2 training prompts on a held-out noise and
     # the first 2 test prompts; training requests hold training prompts only.
     eval_calls = [(p, a) for p, a in log if any(m["tag_id"] == 9 for m in p["meta_datas"])]
@@ -252,8 +255,9 @@ def test_geneval_style_server_with_a_metadata_dataset_wandb_and_tensorboard(tiny
     assert rows[1]["eval_reward_heldout_prompts"] == pytest.approx(np.mean(last[2:]) + 0.5 * 0.375, abs=1e-5)
     assert all(r["grad_norm"] > 0 for r in rows)  # the scores differed within groups: a learning signal
     # The metadata-taking reward got each trajectory's row in generation, and its numeric info is logged.
-    assert all(r[f"reward_{custom}/tag_id_mean"] == 7.0 for r in rows)
-    assert f"reward_{custom}/note_mean" not in rows[0]
+    assert all(r["reward_meta_reward_meta_reward/tag_id_mean"] == 7.0 for r in rows)  # named without the path
+    assert "reward_meta_reward_meta_reward/note_mean" not in rows[0]
+    assert not any(str(tmp_path) in k or ":" in k for k in rows[0])  # no path, no colon in any metric name
     # W&B (offline): step metrics, eval images captioned with their prompts, and the config.
     records = wandb_records(run)
     history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
@@ -280,6 +284,8 @@ def test_deqa_style_server_with_a_text_dataset(tiny_cache, tmp_path):
                   "--prompt-file", str(tmp_path / "pickscore"), "--reward", "remote", "--remote-url", url,
                   "--remote-score-key", "outputs", "--run-name", "deqa"], tmp_path, tiny_cache)
     (row,) = read_metrics(tmp_path / "deqa")
+    probe, _ = log.pop(0)  # the check request before any rank starts
+    assert probe["prompts"] == train[:2] and len(probe["images"]) == 2
     eval_calls = [(p, a) for p, a in log if set(p["prompts"]) & set(test)]
     train_calls = [(p, a) for p, a in log if set(p["prompts"]) <= set(train)]
     assert len(train_calls) + len(eval_calls) == len(log) and all(m == {} for p, _ in log for m in p["meta_datas"])

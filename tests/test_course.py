@@ -15,6 +15,7 @@ import dataclasses
 import importlib.util
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -54,11 +55,16 @@ def fresh_copy(dest) -> str:
 
 
 def run(text: str, cwd: str, cache: str, tmp, timeout: int = 400) -> subprocess.CompletedProcess:
-    """A block as a bash script (stops at the first failing line); `python` is this interpreter."""
+    """A block as a bash script (stops at the first failing line); `python` is this interpreter: a wrapper script
+    that execs sys.executable by its own path (a symlink to a virtualenv's interpreter, placed in another folder,
+    no longer finds the venv's pyvenv.cfg and runs without its packages)."""
     bindir = os.path.join(tmp, "bin")
     if not os.path.exists(bindir):
         os.makedirs(bindir)
-        os.symlink(sys.executable, os.path.join(bindir, "python"))
+        wrapper = os.path.join(bindir, "python")
+        with open(wrapper, "w") as f:
+            f.write(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} \"$@\"\n")
+        os.chmod(wrapper, 0o755)
     env = dict(os.environ, PATH=bindir + os.pathsep + os.environ["PATH"], DIGENRL_CACHE=cache,
                DIGENRL_TEST_CACHE=cache, OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1")  # one tiny build
     return subprocess.run(["bash", "-euo", "pipefail", "-c", text], cwd=cwd, env=env, capture_output=True,

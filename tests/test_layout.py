@@ -46,11 +46,17 @@ def test_a_mechanism_file_imports_alone_in_a_fresh_interpreter(name, tmp_path):
         assert part in doc, f"{name}'s docstring has no {part!r}"
 
 
+def _is_venv(path: str) -> bool:
+    """A virtualenv inside the checkout (the README's `python -m venv v`): installed packages, not the project."""
+    return os.path.isfile(os.path.join(path, "pyvenv.cfg"))
+
+
 def _project_modules() -> dict[str, str]:
     """module name -> file, for every .py file of the project outside tests/."""
     modules = {}
     for folder, dirs, files in os.walk(ROOT):
-        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("tests", "runs", "bench_runs", "__pycache__")]
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("tests", "runs", "bench_runs", "__pycache__")
+                   and not _is_venv(os.path.join(folder, d))]
         for f in files:
             if f.endswith(".py"):
                 rel = os.path.relpath(os.path.join(folder, f), ROOT)[:-3].replace(os.sep, ".")
@@ -93,7 +99,8 @@ OUTSIDE = "shared" + "/"  # spelled in two parts so that this file does not matc
 def test_nothing_points_outside_the_repository():
     hits = []
     for folder, dirs, files in os.walk(ROOT):
-        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("runs", "bench_runs", "__pycache__")]
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("runs", "bench_runs", "__pycache__")
+                   and not _is_venv(os.path.join(folder, d))]
         for f in files:
             if f.endswith((".py", ".md", ".sh")):
                 path = os.path.join(folder, f)

@@ -7,10 +7,10 @@ alive at once are compared with the largest single tensor.
 """
 import collections
 import dataclasses
-import datetime
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import dist_harness
 
@@ -164,18 +164,13 @@ def test_fsdp_trainers_hold_one_kth_of_the_model_and_optimizer(beta, tiny_cache,
         assert whole / k * 0.95 <= m["held"] <= whole / k * 1.08, m  # about 1/K: nothing whole beside the shards
 
 
-def _reference_worker(rank, port, cache, results):
+def _reference_worker(rank, world, store, cache):
     import os
-
-    import torch.distributed as dist
 
     os.environ["DIGENRL_CACHE"] = cache
     import models
     from trainer import shard_for_fsdp
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=60))
     path = models.tiny_pipeline_path("flux")
     initial = models.load("flux", path, "cpu", torch.bfloat16).transformer  # what the reference must be
     policy = models.load("flux", path, "cpu", torch.bfloat16)
@@ -191,32 +186,17 @@ def _reference_worker(rank, port, cache, results):
         sharded = policy.velocity(x, torch.tensor([0.7]), cond, transformer=ref)
         whole = policy.velocity(x, torch.tensor([0.7]), cond, transformer=initial)
         policy_now = policy.velocity(x, torch.tensor([0.7]), cond)  # the (sharded) policy, not yet trained
-    results.put((rank, len(same), len(list(reference.parameters())), float((sharded - policy_now).abs().max()),
-                 float((sharded - whole).abs().max() / whole.abs().max())))
     dist.barrier()
-    dist.destroy_process_group()
+    return (len(same), len(list(reference.parameters())), float((sharded - policy_now).abs().max()),
+            float((sharded - whole).abs().max() / whole.abs().max()))
 
 
 def test_the_sharded_kl_reference_is_the_initial_weights(tiny_cache):
     """Catches a sharded KL reference that is not the initial weights (issue 22 item 2 builds it unit by unit from
     the still-whole policy before sharding): every gathered reference weight equals the loaded bf16 weight bit for
     bit, and its forward equals the unsharded initial transformer's."""
-    from infra.launch import free_port
-
-    ctx = mp.get_context("spawn")
-    results = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_reference_worker, args=(r, port, tiny_cache, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(150)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    for _ in range(2):
-        rank, same, total, gap, relative_to_whole = results.get()
+    rows = dist_harness.check(dist_harness.run(_reference_worker, 2, tiny_cache, timeout_s=150))
+    for rank, (same, total, gap, relative_to_whole) in rows.items():
         assert same == total > 0, (rank, same, total)
         assert gap == 0.0, (rank, gap)  # the same bf16 weights through the same sharded forward as the policy's
         assert relative_to_whole < 1e-2, (rank, relative_to_whole)  # unsharded: bf16 rounding apart

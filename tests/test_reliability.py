@@ -95,7 +95,7 @@ def test_custom_reward_from_file_and_module(reward_file, tmp_path, monkeypatch):
     images = torch.rand(2, 3, 8, 8, generator=torch.Generator().manual_seed(0))
     combined = rewards.build_reward(f"{reward_file}:brightness=2,color=1")
     scores = combined(images, ["a red image", "a blue image"])
-    torch.testing.assert_close(scores[f"{reward_file}:brightness"], images.mean(dim=(1, 2, 3)))
+    torch.testing.assert_close(scores["my_rewards_brightness"], images.mean(dim=(1, 2, 3)))
     torch.testing.assert_close(scores["total"], 2 * images.mean(dim=(1, 2, 3)) + scores["color"])
     # Videos are passed as they are; lists are accepted and made float32 [B].
     video = torch.rand(2, 4, 3, 8, 8)
@@ -208,7 +208,7 @@ def test_nan_reward_skips_the_step_and_training_continues(setup):
     assert any(not torch.equal(after[k], v) for k, v in weights[POISONED_STEP + 2].items()), "no training after the skip"
     assert any(not torch.equal(before[k], v) for k, v in checkpoint_weights(run, POISONED_STEP - 1).items())
     # The step's optimizer state was not touched either (AdamW's step count did not advance).
-    states = [torch.load(run / "checkpoints" / f"step_{k:06d}" / "state.pt", weights_only=False)["optimizer"]["state"]
+    states = [runio.load_state(str(run / "checkpoints" / f"step_{k:06d}"))["optimizer"]["state"]
               for k in (POISONED_STEP, POISONED_STEP + 1)]
     assert [s["step"] for s in states[0].values()] == [s["step"] for s in states[1].values()]
 
@@ -305,7 +305,7 @@ def test_sigkill_at_a_random_moment_then_resume_matches_the_uninterrupted_run(se
     assert names and all(re.fullmatch(r"step_\d{6}", n) for n in names), f"{names}; {where}"
     assert [os.path.basename(p) for p in runio.list_checkpoints(str(run))] == names, where
     for name in names:
-        state = torch.load(run / "checkpoints" / name / "state.pt", map_location="cpu", weights_only=False)
+        state = runio.load_state(str(run / "checkpoints" / name))
         assert state["step"] == int(name[len("step_"):]), where
     final, uninterrupted = checkpoint_weights(run, STEPS), checkpoint_weights(folder / "uninterrupted", STEPS)
     for key in uninterrupted:

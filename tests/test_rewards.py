@@ -308,11 +308,11 @@ def test_remote_timeout_is_retried_then_raises():
 
 
 def test_remote_connection_refused_is_retried_then_raises():
-    with socket.socket() as sock:  # find a free port, then close it so nothing listens
+    with socket.socket() as sock:  # bound, never listening, held: connections are refused and no one takes the port
         sock.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{sock.getsockname()[1]}/score"
-    with pytest.raises(RemoteRewardError, match="2 attempts"):
-        remote_reward(url, remote_retries=1)(RED[None], ["x"])
+        with pytest.raises(RemoteRewardError, match="2 attempts"):
+            remote_reward(url, remote_retries=1)(RED[None], ["x"])
 
 
 def test_remote_4xx_is_not_retried():

@@ -4,7 +4,6 @@ spans from 3 spawned gloo ranks."""
 import datetime
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -12,6 +11,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from infra import tracing as tr
+from infra.launch import HOST, listening_socket
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -203,19 +203,15 @@ def test_measure_overhead_reports_both(monkeypatch):
     assert tr.measure_overhead(n=n) == pytest.approx({"n": n, "enabled_ns": 2000.0, "disabled_ns": 1000.0})
 
 
-def _free_port():
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _gather_worker(rank, world_size, port, out_dir):
+def _gather_worker(rank, world_size, master, out_dir):
     import torch.distributed as dist
 
     from infra import tracing as project_trace  # spawn children inherit the parent's sys.path
+    from infra.launch import open_store
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=30))
+    store = open_store(master, world_size, is_master=rank == 0, timeout_s=30)  # rank 0 serves on the held socket
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=30))
     try:
         tracer = project_trace.Tracer(rank=rank, role="trainer" if rank == 0 else "rollout")
         tracer.align()
@@ -243,8 +239,10 @@ def _gather_worker(rank, world_size, port, out_dir):
 def test_gather_from_every_rank(tmp_path):
     world_size = 3
     ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_gather_worker, args=(rank, world_size, port, str(tmp_path)))
+    listener = listening_socket()  # held from bind to use: no other job can take the port meanwhile
+    master = (HOST, listener.getsockname()[1])
+    procs = [ctx.Process(target=_gather_worker, args=(rank, world_size, master + ((listener,) if rank == 0 else ()),
+                                                      str(tmp_path)))
              for rank in range(world_size)]
     for proc in procs:
         proc.start()

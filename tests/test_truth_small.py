@@ -123,7 +123,7 @@ def test_resume_refuses_another_identity_and_drops_the_redone_rows(tmp_path):
     cfg = types.SimpleNamespace(model="flux", pretrained=None, lora=True, lora_rank=8, lora_alpha=16.0,
                                 lora_targets="flow_grpo")
     os.makedirs(tmp_path / "checkpoints" / "step_000003")
-    (tmp_path / "checkpoints" / "step_000003" / "state.pt").write_bytes(b"x")
+    torch.save({"step": 3, "identity": rundir.identity(cfg)}, tmp_path / "checkpoints" / "step_000003" / "state.pt")
     (tmp_path / "checkpoints" / "step_000003" / "meta.json").write_text(
         json.dumps({"step": 3, "identity": rundir.identity(cfg)}))
     assert rundir.check_resume(str(tmp_path), cfg).endswith("step_000003")

@@ -23,15 +23,16 @@ if __package__ in (None, ""):  # run as `python tools/X.py`: make the project ro
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _worker(rank, world, port, sizes_mb, tensor_mb, reps, results):
+def _worker(rank, world, master, sizes_mb, tensor_mb, reps, results):
     import torch
     import torch.distributed as dist
 
     import async_policy
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(minutes=30))
+    from infra.launch import open_store
+    store = open_store(master, world, is_master=rank == 0, timeout_s=1800)  # rank 0 serves on the held socket
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=30))
     group = dist.new_group(list(range(world)), backend="gloo")  # the publish group (the mailbox thread's)
     control = dist.new_group(list(range(world)), backend="gloo")  # the main threads' barriers (comm.py rule 3)
     for size_mb in sizes_mb:
@@ -69,13 +70,15 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     import torch.multiprocessing as mp
 
-    from infra.launch import free_port
+    from infra.launch import HOST, listening_socket
 
     ctx = mp.get_context("spawn")
     results = ctx.SimpleQueue()
     world = args.receivers + 1
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args.sizes_mb, args.tensor_mb, args.reps, results))
+    listener = listening_socket()  # held until rank 0's store serves on it
+    master = (HOST, listener.getsockname()[1])
+    procs = [ctx.Process(target=_worker, args=(r, world, master + ((listener,) if r == 0 else ()), args.sizes_mb,
+                                               args.tensor_mb, args.reps, results))
              for r in range(world)]
     for p in procs:
         p.start()

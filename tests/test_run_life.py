@@ -1,0 +1,266 @@
+"""A run's life on a shared cluster: the ranks die with their launcher (self-spawned and under torchrun), SIGTERM
+stops a run after the current step with a checkpoint that --resume continues exactly, one job per run directory
+(an flock'ed lock, stale locks taken over), a reused --run-name is refused, and `torchrun main.py` with one process
+runs the demo colocated.
+
+Every kill moment waits for a step to appear in metrics.jsonl first (never a clock-seeded moment), so which step a
+signal lands in varies, and every assertion holds for any of them.
+Run: python -m pytest -q tests/test_run_life.py --timeout 600
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import main
+from conftest import ROOT, checkpoint_weights, rank_pids, read_metrics, run_main
+from infra.preemption import EXIT_PREEMPTED
+from infra.runlock import LOCK_NAME, RunLock
+
+pytestmark = pytest.mark.timeout(300)
+TINY = ["--prompts-per-step", "2", "--group-size", "2", "--num-steps", "3", "--eval-every", "0", "--timeout-s", "60",
+        "--no-trace", "--seed", "3"]
+DEAD_WITHIN_S = 15.0
+
+
+def start(args, name, folder, cache, torchrun: int = 0) -> subprocess.Popen:
+    """main.py in the background (self-spawned, or under torchrun with `torchrun` processes); log in <name>.log."""
+    env = dict(os.environ, DIGENRL_CACHE=cache, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] \
+        if torchrun else [sys.executable]
+    cmd = [*launcher, os.path.join(ROOT, "main.py"), *args, "--run-name", name, "--out-dir", str(folder),
+           "--no-progress", "--threads", "1"]
+    with open(folder / f"{name}.log", "w") as log:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def log_of(folder, name) -> str:
+    return (folder / f"{name}.log").read_text()
+
+
+def wait_for_rows(proc, run, rows: int, folder, name, timeout_s: float = 180) -> None:
+    """Until metrics.jsonl has `rows` lines: the ranks are in their loops."""
+    deadline = time.monotonic() + timeout_s
+    path = run / "metrics.jsonl"
+    while not (path.exists() and path.read_text().count("\n") >= rows):
+        assert proc.poll() is None, log_of(folder, name)[-3000:]
+        assert time.monotonic() < deadline, f"no {rows} rows in {timeout_s} s"
+        time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+def wait_all_dead(pids, timeout_s: float = DEAD_WITHIN_S) -> list[int]:
+    """The pids still alive after timeout_s (empty: all gone)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.05)
+    left = [p for p in pids if alive(p)]
+    for pid in left:  # leave nothing behind for the next test
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
+# ---------------------------------------------------------------- the launcher stops: no rank outlives it
+
+@pytest.mark.parametrize("how", ["self", "torchrun"])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["KILL", "TERM"])
+def test_stopping_the_launcher_leaves_no_rank_alive(how, sig, tiny_cache, tmp_path):
+    """Ranks outliving their launcher: `kill` of main.py (or of torchrun) used to leave both ranks training to
+    the end, reparented to pid 1. SIGKILL: they die with it (PR_SET_PDEATHSIG); SIGTERM: they stop after the
+    current step with a checkpoint (status 75 from the self-spawned launcher). Self-spawned, also: a second job on
+    the running run directory is refused before it writes anything (two jobs used to interleave their metrics),
+    and after the SIGKILL `--resume` takes the dead job's lock over and continues without a duplicate step."""
+    name = f"{how}_{sig.name}"
+    run = tmp_path / name
+    args = ["--mode", "digenrl", *TINY, "--steps", "500", "--save-every", "1"]
+    proc = start(args, name, tmp_path, tiny_cache, torchrun=2 if how == "torchrun" else 0)
+    try:
+        wait_for_rows(proc, run, 2, tmp_path, name)  # a checkpoint exists: --resume would be valid
+        if how == "self" and sig == signal.SIGTERM:
+            lock, config = (run / LOCK_NAME).read_text(), os.stat(run / "config.json")
+            second = run_main(["--resume", str(run)], tmp_path, tiny_cache, check=False)
+            assert second.returncode == 2, second.stderr[-3000:]
+            assert "is in use by another job (host " in second.stderr and f"pid {proc.pid}," in second.stderr
+            now = os.stat(run / "config.json")  # RunDir rewrites it (a new inode): it was not touched
+            assert (now.st_ino, now.st_mtime_ns) == (config.st_ino, config.st_mtime_ns)
+            assert (run / LOCK_NAME).read_text() == lock
+        pids = [pid for pid, _ in rank_pids(proc.pid, 2).values()]
+        proc.send_signal(sig)
+        assert wait_all_dead(pids) == [], f"ranks alive {DEAD_WITHIN_S} s after {sig.name}:\n{log_of(tmp_path, name)}"
+        code = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    rows = read_metrics(run)
+    if sig == signal.SIGTERM:
+        log = log_of(tmp_path, name)
+        assert "stopped on request after step" in log and "continue with: python main.py --resume" in log, log[-3000:]
+        assert (run / "checkpoints" / f"step_{len(rows):06d}" / "state.pt").exists()  # after the last row
+        if how == "self":
+            assert code == EXIT_PREEMPTED, log[-3000:]
+    elif how == "self":
+        resumed = run_main(["--resume", str(run), "--steps", str(len(rows) + 1)], tmp_path, tiny_cache)
+        assert f"taking over the lock of {run}: its holder (host " in resumed.stderr
+        assert [r["step"] for r in read_metrics(run)] == list(range(len(rows) + 1))  # no step twice
+
+
+# ---------------------------------------------------------------- preemption: SIGTERM, checkpoint, exact resume
+
+def test_sigterm_checkpoints_and_resume_equals_the_uninterrupted_run_colocated(tiny_cache, tmp_path):
+    """A preempted job losing everything since its last --save-every checkpoint: SIGTERM (one process, colocated)
+    now finishes the step, writes its checkpoint, exits 75, and --resume continues from the step after it with
+    the uninterrupted run's metrics and weights."""
+    args = ["--mode", "colocated", "--nproc", "1", *TINY, "--steps", "6", "--save-every", "0"]
+    reference = start(args, "straight", tmp_path, tiny_cache)  # in parallel, to save wall time
+    proc = start(args, "stopped", tmp_path, tiny_cache)
+    try:
+        wait_for_rows(proc, tmp_path / "stopped", 2, tmp_path, "stopped")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == EXIT_PREEMPTED, log_of(tmp_path, "stopped")[-3000:]
+        assert reference.wait(180) == 0, log_of(tmp_path, "straight")[-3000:]
+    finally:
+        for p in (proc, reference):
+            if p.poll() is None:
+                p.kill()
+    stopped_after = len(read_metrics(tmp_path / "stopped"))
+    assert 2 <= stopped_after < 6, "the stop should land mid-run"
+    names = sorted(os.listdir(tmp_path / "stopped" / "checkpoints"))
+    assert names == [f"step_{stopped_after:06d}"]  # --save-every 0: the preemption's checkpoint only
+    proc = run_main(["--resume", str(tmp_path / "stopped")], tmp_path, tiny_cache)
+    assert f"resumed from step {stopped_after} " in proc.stdout
+    rows, expected = read_metrics(tmp_path / "stopped"), read_metrics(tmp_path / "straight")
+    assert [r["step"] for r in rows] == list(range(6))
+    for row, ref in zip(rows, expected):
+        for key in ("reward_mean", "loss", "grad_norm", "version"):
+            assert row[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-9), (row["step"], key)
+    final, want = checkpoint_weights(tmp_path / "stopped", 6), checkpoint_weights(tmp_path / "straight", 6)
+    for key in want:
+        torch.testing.assert_close(final[key], want[key], rtol=1e-5, atol=1e-7)
+
+
+def test_sigterm_of_a_two_rank_job_then_resume_matches_the_uninterrupted_run(tiny_cache, tmp_path):
+    """SIGTERM to the launcher of a disaggregated job (1 rollout + 1 trainer) stops it after a step with a
+    checkpoint, and --resume reproduces the uninterrupted run. GAP + TSP, the deterministic part of DigenRL: with
+    TAG and TCSS which fragments a trainer generates and which are one version stale depend on timing, so two
+    uninterrupted runs already differ (as in tests/test_reliability.py); the test above resumes the full mode."""
+    args = ["--placement", "disaggregated", "--gap", "--tsp", "--nproc", "2", *TINY, "--steps", "6",
+            "--save-every", "0"]
+    reference = start(args, "straight", tmp_path, tiny_cache)
+    proc = start(args, "stopped", tmp_path, tiny_cache)
+    run = tmp_path / "stopped"
+    try:
+        wait_for_rows(proc, run, 1, tmp_path, "stopped")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == EXIT_PREEMPTED, log_of(tmp_path, "stopped")[-3000:]
+        assert reference.wait(180) == 0, log_of(tmp_path, "straight")[-3000:]
+    finally:
+        for p in (proc, reference):
+            if p.poll() is None:
+                p.kill()
+    stopped_after = len(read_metrics(run))
+    assert stopped_after < 6, "the stop should land mid-run"
+    assert f"stopped on request after step {stopped_after - 1}" in log_of(tmp_path, "stopped")
+    assert sorted(os.listdir(run / "checkpoints")) == [f"step_{stopped_after:06d}"]
+    assert (run / LOCK_NAME).read_text() == ""  # released cleanly: nothing stale
+    run_main(["--resume", str(run)], tmp_path, tiny_cache)
+    rows, expected = read_metrics(run), read_metrics(tmp_path / "straight")
+    assert [r["step"] for r in rows] == list(range(6))
+    for row, ref in zip(rows, expected):
+        for key in ("reward_mean", "loss", "grad_norm"):
+            assert row[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-9), (row["step"], key)
+
+
+# ---------------------------------------------------------------- the run directory's lock and name
+
+def refused(argv, monkeypatch, capsys) -> str:
+    spawned = []
+    monkeypatch.setattr(main, "launch", lambda *a, **k: spawned.append(a) or 0)
+    monkeypatch.setattr(main, "run_rank", lambda *a, **k: spawned.append(a) or 0)
+    assert main.main(argv) == 2 and not spawned
+    return capsys.readouterr().err
+
+
+def test_a_locked_run_directory_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys):
+    """A second job on a run directory another job holds: refused with the holder's host and pid, nothing
+    written (the lock is an flock: another open file description of the same file cannot take it)."""
+    held = RunLock.acquire(str(tmp_path / "x"))
+    try:
+        err = refused(["--run-name", "x", "--out-dir", str(tmp_path)], monkeypatch, capsys)
+    finally:
+        held.release()
+    assert f"'{tmp_path / 'x'}' is in use by another job (host " in err and f"pid {os.getpid()}," in err
+    assert os.listdir(tmp_path / "x") == [LOCK_NAME]
+
+
+def test_a_stale_lock_is_taken_over_with_a_warning(tmp_path, monkeypatch, capsys, tiny_cache):
+    """A lock file left by a killed job (no process holds its flock) must not block the run forever."""
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / LOCK_NAME).write_text(json.dumps({"host": "h0", "pid": int(dead.stdout), "started": 0}))
+    ran = []
+    monkeypatch.setattr(main, "launch", lambda *a, **k: ran.append(json.loads((tmp_path / "x" / LOCK_NAME).read_text()))
+                        or 0)
+    assert main.main(["--run-name", "x", "--out-dir", str(tmp_path)]) == 0
+    assert f"taking over the lock of {tmp_path / 'x'}: its holder (host h0, pid {int(dead.stdout)}, " in \
+        capsys.readouterr().err
+    assert ran == [{"host": socket.gethostname(), "pid": os.getpid(), "started": ran[0]["started"]}]  # ours meanwhile
+    assert (tmp_path / "x" / LOCK_NAME).read_text() == ""  # released
+
+
+def test_reusing_a_run_name_is_refused(tmp_path, monkeypatch, capsys):
+    """--run-name of an existing run used to replace its config.json and append to its metrics."""
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "config.json").write_text("{}")
+    err = refused(["--run-name", "x", "--out-dir", str(tmp_path)], monkeypatch, capsys)
+    assert f"already holds a run (config.json): continue it with --resume {tmp_path / 'x'}, or give another " \
+           "--run-name" in err
+    assert (tmp_path / "x" / "config.json").read_text() == "{}"
+
+
+# ---------------------------------------------------------------- torchrun with one process
+
+def test_torchrun_with_one_process_runs_colocated_and_learns_as_one_rank_does(tiny_cache, tmp_path):
+    """`torchrun main.py --model flux` (one process per node, torchrun's default) used to stop with 'needs at least
+    2 ranks'. It now runs colocated, says so in one line, and trains exactly as `python main.py --nproc 1` does."""
+    args = [*TINY, "--steps", "3", "--lr", "3e-2"]
+    env = dict(os.environ, DIGENRL_CACHE=tiny_cache, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+           os.path.join(ROOT, "main.py"), "--model", "flux", *args, "--run-name", "tr", "--out-dir", str(tmp_path),
+           "--no-progress"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("[digenrl] one rank: running colocated") == 1
+    assert json.loads((tmp_path / "tr" / "config.json").read_text())["mode"] == "colocated"
+    run_main(["--model", "flux", "--nproc", "1", *args, "--run-name", "one"], tmp_path, tiny_cache)
+    ours, ref = read_metrics(tmp_path / "tr"), read_metrics(tmp_path / "one")
+    assert len(ours) == 3 and all(r["grad_norm"] > 0 for r in ours)
+    for row, want in zip(ours, ref):
+        for key in ("reward_mean", "loss", "grad_norm"):
+            assert row[key] == pytest.approx(want[key], rel=1e-5, abs=1e-9), key
+
+
+def test_an_explicit_disaggregated_mode_on_one_rank_names_the_command(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    with pytest.raises(ValueError, match="needs at least 2 ranks .* Run: torchrun --nproc_per_node=2 main.py "
+                                         "--mode digenrl --steps 3 "):
+        main.prepare(["--mode", "digenrl", "--steps", "3"])
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    with pytest.raises(ValueError, match="Run: python main.py --mode naive --nproc 2 "):
+        main.prepare(["--mode", "naive", "--nproc", "1"])
