@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import socket
 
 import torch.distributed as dist
 
@@ -51,6 +52,30 @@ def choose_backend(use_cuda: bool, gpus_per_node: int, world: int, env=None, req
             raise ValueError("--backend nccl needs CUDA (--device cuda); on CPU use gloo")
         return requested
     return "nccl" if use_cuda and 0 < ranks_per_node <= gpus_per_node else "gloo"
+
+
+def loopback_data_plane(env, resolve=socket.gethostbyname, hostname=socket.gethostname) -> str | None:
+    """A warning when gloo (the data plane) would bind a loopback address while the world spans several hosts.
+
+    Without GLOO_SOCKET_IFNAME, gloo binds the address this host's name resolves to, and stock Ubuntu maps the
+    hostname to 127.0.1.1 in /etc/hosts: peers on other hosts are then told to connect to a loopback address
+    and the first cross-host send never arrives. (NCCL picks its own interface; NCCL_SOCKET_IFNAME pins it.)"""
+    world, local = int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", 1)))
+    if world <= local or env.get("GLOO_SOCKET_IFNAME"):
+        return None  # one host, or the interface is pinned
+    name = hostname()
+    try:
+        address = resolve(name)
+    except OSError as error:
+        return (f"the hostname {name!r} does not resolve ({error}): gloo cannot pick an address for the data plane; "
+                "set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) to the interface that reaches the other hosts, "
+                "e.g. GLOO_SOCKET_IFNAME=eth0")
+    if address.startswith("127.") or address == "::1":
+        return (f"this job spans several hosts ({world} ranks, {local} per host) but the hostname {name!r} resolves "
+                f"to the loopback address {address}: gloo (the data plane: fragments, weights, commands) would bind "
+                "it and ranks on other hosts could not connect. Set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) to "
+                "the interface that reaches the other hosts, e.g. GLOO_SOCKET_IFNAME=eth0 (`ip -br addr` lists them)")
+    return None
 
 
 @dataclasses.dataclass

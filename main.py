@@ -97,6 +97,8 @@ def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple[str, int
     _name_process(f"dg{rank}-{roles[rank]}")  # what ps/top (and tools/soak.py) show for this rank
     store, watch = None, None
     if world > 1:
+        if local_rank == 0 and (warning := comm.loopback_data_plane(os.environ)):
+            print(f"[digenrl] warning: {warning}", file=sys.stderr, flush=True)
         backend = comm.choose_backend(use_cuda, torch.cuda.device_count() if use_cuda else 0, world, os.environ,
                                       cfg.backend)
         store = dist.TCPStore(master[0], master[1], world, is_master=(rank == 0 and not agent_store),

@@ -277,3 +277,22 @@ def test_assisted_generation_generates_each_claimed_group_once_at_its_global_ind
                                             lambda part, owner: parts[owner], gap.concat_fragments)
             assert whole.first_group == 5 and whole.num_groups == num_groups
             assert whole.rewards.tolist() == list(range(10, 10 + 2 * num_groups))
+
+
+def test_loopback_data_plane_warning():
+    """A multi-host job whose hostname resolves to 127.0.1.1 (stock Ubuntu) would bind gloo to loopback and hang at
+    the first cross-host send: the warning must fire then, name GLOO_SOCKET_IFNAME, and stay quiet on one host or
+    when the interface is pinned."""
+    import comm
+
+    two_hosts = {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}
+    loopback = dict(resolve=lambda name: "127.0.1.1", hostname=lambda: "node1")
+    message = comm.loopback_data_plane(two_hosts, **loopback)
+    assert message is not None and "GLOO_SOCKET_IFNAME" in message and "127.0.1.1" in message
+    assert comm.loopback_data_plane({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"}, **loopback) is None
+    assert comm.loopback_data_plane({**two_hosts, "GLOO_SOCKET_IFNAME": "eth0"}, **loopback) is None
+    assert comm.loopback_data_plane(two_hosts, resolve=lambda name: "10.0.0.7", hostname=lambda: "node1") is None
+
+    def unresolvable(name):
+        raise OSError("Name or service not known")
+    assert "does not resolve" in comm.loopback_data_plane(two_hosts, resolve=unresolvable, hostname=lambda: "node1")
