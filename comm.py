@@ -91,6 +91,30 @@ def gather_device_identities(store, rank: int, world: int, mine: str) -> list[st
     return [store.get(k).decode() for k in keys]
 
 
+def loopback_data_plane(env, resolve=socket.gethostbyname, hostname=socket.gethostname) -> str | None:
+    """A warning when gloo (the data plane) would bind a loopback address while the world spans several hosts.
+
+    Without GLOO_SOCKET_IFNAME, gloo binds the address this host's name resolves to, and stock Ubuntu maps the
+    hostname to 127.0.1.1 in /etc/hosts: peers on other hosts are then told to connect to a loopback address
+    and the first cross-host send never arrives. (NCCL picks its own interface; NCCL_SOCKET_IFNAME pins it.)"""
+    world, local = int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", 1)))
+    if world <= local or env.get("GLOO_SOCKET_IFNAME"):
+        return None  # one host, or the interface is pinned
+    name = hostname()
+    try:
+        address = resolve(name)
+    except OSError as error:
+        return (f"the hostname {name!r} does not resolve ({error}): gloo cannot pick an address for the data plane; "
+                "set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) to the interface that reaches the other hosts, "
+                "e.g. GLOO_SOCKET_IFNAME=eth0")
+    if address.startswith("127.") or address == "::1":
+        return (f"this job spans several hosts ({world} ranks, {local} per host) but the hostname {name!r} resolves "
+                f"to the loopback address {address}: gloo (the data plane: fragments, weights, commands) would bind "
+                "it and ranks on other hosts could not connect. Set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) to "
+                "the interface that reaches the other hosts, e.g. GLOO_SOCKET_IFNAME=eth0 (`ip -br addr` lists them)")
+    return None
+
+
 @dataclasses.dataclass
 class Groups:
     """This rank's place in the rank grid and the groups it talks on (None where it is not a member)."""

@@ -110,6 +110,8 @@ def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple, agent_s
     _name_process(f"dg{rank}-{roles[rank]}")  # what ps/top (and tools/soak.py) show for this rank
     store, watch, progress = None, None, Progress()
     if world > 1:
+        if local_rank == 0 and (warning := comm.loopback_data_plane(os.environ)):
+            print(f"[digenrl] warning: {warning}", file=sys.stderr, flush=True)
         store = open_store(master, world, is_master=(rank == 0 and not agent_store), timeout_s=cfg.timeout_s)
         gpus = comm.gather_device_identities(store, rank, world, comm.this_device_identity(device)) if use_cuda else []
         backend, why = comm.choose_backend(use_cuda, [gpu for gpu, role in zip(gpus, roles) if role != "rollout"],

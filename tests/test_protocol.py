@@ -321,3 +321,22 @@ def test_the_assistant_hands_the_predictor_the_queues_counts_and_scripted_times(
     assistant.consider(3, 4)
     assert seen[-1] == tag.StepState(unclaimed=2, in_flight=0, waiting=2, rollout_ranks=1, gen_rollout_s=1.0,
                                      gen_trainer_s=0.6, train_s=0.02, fragment_groups=2, trainers=2, quantum=2)
+
+
+def test_loopback_data_plane_warning():
+    """A multi-host job whose hostname resolves to 127.0.1.1 (stock Ubuntu) would bind gloo to loopback and hang at
+    the first cross-host send: the warning must fire then, name GLOO_SOCKET_IFNAME, and stay quiet on one host or
+    when the interface is pinned."""
+    import comm
+
+    two_hosts = {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}
+    loopback = dict(resolve=lambda name: "127.0.1.1", hostname=lambda: "node1")
+    message = comm.loopback_data_plane(two_hosts, **loopback)
+    assert message is not None and "GLOO_SOCKET_IFNAME" in message and "127.0.1.1" in message
+    assert comm.loopback_data_plane({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"}, **loopback) is None
+    assert comm.loopback_data_plane({**two_hosts, "GLOO_SOCKET_IFNAME": "eth0"}, **loopback) is None
+    assert comm.loopback_data_plane(two_hosts, resolve=lambda name: "10.0.0.7", hostname=lambda: "node1") is None
+
+    def unresolvable(name):
+        raise OSError("Name or service not known")
+    assert "does not resolve" in comm.loopback_data_plane(two_hosts, resolve=unresolvable, hostname=lambda: "node1")
