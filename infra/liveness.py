@@ -199,13 +199,3 @@ def _process_alive(pid: int) -> bool:
         except PermissionError:
             return True
 
-
-def on_sigterm_name_the_dead(watch: Liveness | None, rank: int, role: str) -> None:
-    """Under torchrun: when the agent stops this rank because another one failed, say which one died
-    (torchrun names the rank, not its role) before exiting."""
-    def handler(signum, frame):
-        dead = watch.dead_local_peers() if watch is not None else []
-        who = "; ".join(f"{watch.describe(r)} died" for r in dead) or "another rank failed"
-        print(f"[digenrl] {who}: rank {rank} ({role}) stops (SIGTERM)", file=sys.stderr, flush=True)
-        os._exit(128 + signum)
-    signal.signal(signal.SIGTERM, handler)
