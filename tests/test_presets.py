@@ -19,18 +19,23 @@ from conftest import ROOT
 pytestmark = pytest.mark.timeout(300)
 
 
-def _doc_commands() -> list[tuple[str, str]]:
+def _doc_commands(refused: bool = False) -> list[tuple[str, str]]:
     """(file, command) for every `main.py` command in README.md and docs/*.md: inline code spans and indented
-    code lines (joined over trailing backslashes)."""
+    code lines (joined over trailing backslashes); with `refused`, only those of sections whose heading says
+    they are refused (the troubleshooting table), else all the others."""
     found = []
     for path in [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]:
-        text = open(path).read()
-        for span in re.findall(r"`([^`\n]*main\.py[^`\n]*)`", text):
-            found.append((path, span))
-        lines = text.splitlines()
+        lines = open(path).read().splitlines()
+        heading = ""
         i = 0
         while i < len(lines):
             line = lines[i]
+            if line.startswith("#"):
+                heading = line
+            if ("refused" in heading) != refused:
+                i += 1
+                continue
+            found += [(path, span) for span in re.findall(r"`([^`\n]*main\.py[^`\n]*)`", line)]
             if line.startswith("    ") and re.search(r"(^|\s)(torchrun|python)\s.*main\.py", line):
                 command = line.strip()
                 while command.endswith("\\") and i + 1 < len(lines):
@@ -53,7 +58,7 @@ def _args_and_world(command: str) -> tuple[list[str], int | None, bool]:
         options = dict(re.match(r"--(nnodes|nproc[_-]per[_-]node)=?(\d*)", t).groups() for t in launcher
                        if re.match(r"--(nnodes|nproc[_-]per[_-]node)", t))
         values = {k.replace("-", "_"): int(v or launcher[launcher.index(f"--{k}") + 1]) for k, v in options.items()}
-        world = values.get("nnodes", 1) * values["nproc_per_node"]
+        world = values.get("nnodes", 1) * values.get("nproc_per_node", 1)  # torchrun: 1 per node by default
     return args, world, "--pretrained" in args
 
 
@@ -86,6 +91,21 @@ def test_every_documented_command_is_valid_and_real_weights_are_never_tiny(monke
                     assert getattr(cfg, name) == preset[name].value, (command, name, getattr(cfg, name))
             assert "Flow-GRPO" in presets.describe(cfg)
     assert real >= 1  # the GPU section's command runs real weights
+
+
+def test_every_command_documented_as_refused_is_refused(monkeypatch, tiny_cache):
+    """Catches a troubleshooting table that promises a refusal the code no longer makes (and keeps the other test
+    from mistaking those rows for runnable commands)."""
+    commands = _doc_commands(refused=True)
+    assert commands  # the README's troubleshooting table shows refused commands
+    for path, command in commands:
+        args, world, _ = _args_and_world(command)
+        if world is not None:
+            monkeypatch.setenv("WORLD_SIZE", str(world))
+        else:
+            monkeypatch.delenv("WORLD_SIZE", raising=False)
+        with pytest.raises((ValueError, FileNotFoundError)):
+            main.prepare(args)
 
 
 @pytest.mark.parametrize("model", ["flux", "wan"])
