@@ -97,6 +97,28 @@ def test_velocity_reproduces_sd3_pipelines_own_sampling(sd3_path, resolution):
     assert float(schedule[-2]) < 0.02 < float(schedule[-3])  # the pipeline's own schedule ends near sigma_min, not 1/T
 
 
+def _shift(s, shift=3.0):
+    return shift * s / (1 + (shift - 1) * s)  # SD3's time shift (Esser et al. 2024, eq. 23)
+
+
+def test_schedule_and_latent_scaling_are_sd35_mediums(sd3_path):
+    """The tiny pipeline carries SD3.5-Medium's scheduler (scheduler/scheduler_config.json: FlowMatchEulerDiscrete,
+    1000 training steps, shift 3.0, no dynamic shift) and VAE latent scaling (vae/config.json: scaling_factor 1.5305,
+    shift_factor 0.0609), and policy.sigmas(T) is that scheduler's sampling schedule written out: diffusers spaces
+    T timesteps from sigma_max = 1 to sigma_min = shift(1/1000) and shifts them again, then appends 0.
+    Catches a wrong or missing shift (the pipeline comparison cannot: it shares the scheduler)."""
+    import numpy as np
+
+    policy = models.load("sd3", sd3_path)
+    sched = policy.pipe.scheduler.config
+    assert type(policy.pipe.scheduler).__name__ == "FlowMatchEulerDiscreteScheduler"
+    assert (sched.num_train_timesteps, sched.shift, bool(sched.use_dynamic_shifting)) == (1000, 3.0, False)
+    assert (policy.pipe.vae.config.scaling_factor, policy.pipe.vae.config.shift_factor) == (1.5305, 0.0609)
+    for steps in (4, 10):
+        written = np.append(_shift(np.linspace(1.0, _shift(1 / 1000), steps)), 0.0)
+        torch.testing.assert_close(policy.sigmas(steps), torch.tensor(written, dtype=torch.float32), rtol=0, atol=1e-6)
+
+
 def test_sde_step_on_sd3_matches_flow_grpos_sd3_sde_with_logprob(sd3_path):
     """Flow-GRPO's own SD3 step (re-typed above, driven by the pipeline's scheduler and timesteps) and
     grpo.sde_step_with_logprob agree to 1e-5 on SD3's real velocity (true CFG), at every step of the SD3 schedule,
