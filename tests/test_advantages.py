@@ -108,6 +108,20 @@ def test_batch_wide_advantages_equal_flow_grpos_without_per_prompt_tracking():
     torch.testing.assert_close(ours, theirs[:, 0].float(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("per_prompt, global_std", [(True, True), (False, False)])
+def test_outliers_are_clamped_at_five_as_flow_grpo_clamps(per_prompt, global_std):
+    """One success among 32 samples (a sparse reward) lies more than 5 stds above the mean with global_std or
+    batch-wide statistics; Flow-GRPO clamps it to adv_clip_max = 5. Catches the clamp missing."""
+    prompts = ["a"] * 16 + ["b"] * 16
+    rewards = torch.zeros(32)
+    rewards[3] = 1.0
+    theirs, _ = flow_grpo_train_sd3_advantages(prompts, rewards, per_prompt, global_std)
+    ours = grpo.batch_advantages(rewards, prompts, global_std=global_std, per_prompt=per_prompt)
+    torch.testing.assert_close(ours, theirs[:, 0].float(), rtol=1e-5, atol=1e-5)
+    assert float(ours[3]) == 5.0 and float(grpo.batch_advantages(rewards, prompts, global_std=global_std,
+                                                                  per_prompt=per_prompt, clip=None)[3]) > 5
+
+
 def test_collapsed_groups_are_flow_grpos_dropped_samples_and_the_floor_tames_near_collapse():
     """min_std 0 drops exactly the samples Flow-GRPO's mask drops (a prompt whose rewards are all equal); a threshold
     also drops the near-collapsed prompt, and a std floor keeps its advantages at the scale of its spread instead of

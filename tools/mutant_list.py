@@ -419,7 +419,7 @@ MUTANTS = [
       ADV_COLLAPSED),
     M("grpo-batch-adv-unclipped", "grpo.py",
       "        adv = adv.clamp(-clip, clip)\n    return adv.to(torch.float32)", "        pass\n    return adv.to(torch.float32)",
-      "batch advantages not clamped to +-adv_clip_max (5)", ADV_TRACKER),
+      "batch advantages not clamped to +-adv_clip_max (5)", ADV + "test_outliers_are_clamped_at_five_as_flow_grpo_clamps"),
     # --- config validation -------------------------------------------------------------------------------
     M("config-fragment-divides-unchecked", "config.py",
       "    if c.prompts_per_step % c.fragment_groups:\n", "    if False:\n",
