@@ -110,7 +110,9 @@ class SD3Family(Family):
         b = latents.shape[0]
         cfg = negative_cond is not None and guidance > 1.0  # the pipeline's do_classifier_free_guidance
         x = latents
-        t = (sigma.to(torch.float32) * pipe.scheduler.config.num_train_timesteps).to(latents.dtype)  # [B] t = 1000 s
+        # [B] t = 1000 sigma in float32, as the pipeline passes scheduler.timesteps whatever the model dtype (the
+        # transformer's sinusoidal embedding takes it in float32; a bf16 t would be off by up to 2 at t ~ 750)
+        t = sigma.to(torch.float32) * pipe.scheduler.config.num_train_timesteps
         embeds, pooled = cond["prompt_embeds"], cond["pooled_prompt_embeds"]
         if cfg:  # [uncond; cond] in one batch, the pipeline's order; the "" encoding (batch 1) expanded to B
             neg = {k: v.expand(b, *v.shape[1:]) for k, v in negative_cond.items()}

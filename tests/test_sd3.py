@@ -97,6 +97,26 @@ def test_velocity_reproduces_sd3_pipelines_own_sampling(sd3_path, resolution):
     assert float(schedule[-2]) < 0.02 < float(schedule[-3])  # the pipeline's own schedule ends near sigma_min, not 1/T
 
 
+def test_a_bf16_policy_passes_the_pipelines_float32_timesteps(sd3_path):
+    """StableDiffusion3Pipeline hands the transformer scheduler.timesteps in float32 whatever the model dtype; a bf16
+    policy must too (bf16 rounds t = 751.1 to 752: a different time embedding than the pipeline's and the reference's
+    on GPUs, which the float32 CPU tests cannot see). Catches the timestep cast to the policy dtype."""
+    policy = models.load("sd3", sd3_path, dtype=torch.bfloat16)
+    sigmas = policy.sigmas(6)
+    seen = []
+    hook = policy.transformer.register_forward_pre_hook(lambda mod, args, kw: seen.append(kw["timestep"]),
+                                                        with_kwargs=True)
+    try:
+        x = torch.stack([policy.noise(torch.Generator().manual_seed(s)) for s in (0, 1)])
+        v = policy.velocity(x, sigmas[1:3], policy.encode_prompts(["a red image", "a blue image"]))
+    finally:
+        hook.remove()
+    assert v.dtype == torch.float32 and bool(v.isfinite().all())
+    (t,) = seen
+    assert t.dtype == torch.float32
+    torch.testing.assert_close(t, policy.pipe.scheduler.timesteps[1:3].repeat(2), rtol=0, atol=0)  # [uncond; cond]
+
+
 def _shift(s, shift=3.0):
     return shift * s / (1 + (shift - 1) * s)  # SD3's time shift (Esser et al. 2024, eq. 23)
 
