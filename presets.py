@@ -15,7 +15,10 @@ on them (config.py's help strings say why).
 Departures, stated where they apply: resolution is the pipeline's native one (what `pipe(prompt)` draws), not
 the recipes' training resolution (Flow-GRPO trains FLUX, Qwen-Image and SD3.5 at 512 px, Wan at 240 x 416);
 Flow-GRPO's Qwen-Image recipe trains a window of 2 SDE steps (sde_window_size 2) at noise level 1.2, while
-digenrl has no SDE window and trains the first int(T x timestep_fraction) steps.
+digenrl has no SDE window and trains the first int(T x timestep_fraction) steps. Flow-GRPO's SD3 scripts encode
+prompts with T5 at max_sequence_length 128 (scripts/train_sd3.py compute_text_embeddings), and SD3's joint attention
+sees the padding tokens, so the sequence length changes the velocity: --text-len 128 matches them (the default 512
+does not; text_len is not a preset field).
 """
 from __future__ import annotations
 
