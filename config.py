@@ -32,7 +32,7 @@ def field(default, help_text, **kw):
 @dataclasses.dataclass
 class Config:
     # what to train
-    model: Optional[str] = field(None, "model family: flux, qwenimage, wan, hunyuanvideo; unset = the family "
+    model: Optional[str] = field(None, "model family: flux, qwenimage, wan, hunyuanvideo, sd3; unset = the family "
                                  "--pretrained's model_index.json names, else flux")
     pretrained: Optional[str] = field(None, "local diffusers pipeline directory; unset = the tiny offline "
                                       "pipeline (built once into the cache)")
@@ -305,7 +305,7 @@ def resolve(cfg: Config, world: int | None = None) -> Config:
 
 
 PIPELINE_FAMILIES = {"FluxPipeline": "flux", "QwenImagePipeline": "qwenimage", "WanPipeline": "wan",
-                     "HunyuanVideoPipeline": "hunyuanvideo"}
+                     "HunyuanVideoPipeline": "hunyuanvideo", "StableDiffusion3Pipeline": "sd3"}
 
 
 def family_of_pipeline(path: str | None) -> str | None:

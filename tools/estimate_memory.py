@@ -6,7 +6,7 @@
     python tools/estimate_memory.py --table                  # the README's table: 4 families x {LoRA, FSDP} x {8, 16}
 
 The real-size transformer of the family (FLUX.1-dev 11.9B, Qwen-Image 20.4B, Wan2.1-T2V-14B 14.3B, HunyuanVideo
-12.8B) is built from its diffusers config (written below as data, or read from --pretrained-config DIR's
+12.8B, SD3.5-Medium 2.2B) is built from its diffusers config (written below as data, or read from --pretrained-config DIR's
 transformer/config.json; no weights) under FakeTensorMode: tensors with shapes and dtypes but no storage. A fake
 process group of the asked world size (torch.testing._internal.distributed.fake_pg) stands in for the ranks. Then
 the project's own code runs, as torchtitan's scripts/estimate/estimation.py does for its models:
@@ -70,11 +70,12 @@ def _stub_pipe(model: str, transformer):
 
     def encode_prompt(prompt, device=None, max_sequence_length=512, **_):
         b, dim = len(prompt), info["text"]["dim"]
-        embeds = torch.zeros(b, max_sequence_length, dim, dtype=torch.bfloat16)
+        length = info["text"].get("clip_tokens", 0) + max_sequence_length  # SD3: 77 CLIP tokens, then T5's
+        embeds = torch.zeros(b, length, dim, dtype=torch.bfloat16)
         pooled = torch.zeros(b, info["text"].get("pooled", 1), dtype=torch.bfloat16)
         mask = torch.ones(b, max_sequence_length, dtype=torch.long)
         return {"flux": (embeds, pooled, None), "qwenimage": (embeds, mask), "wan": (embeds, None),
-                "hunyuanvideo": (embeds, pooled, mask)}[model]
+                "hunyuanvideo": (embeds, pooled, mask), "sd3": (embeds, None, pooled, None)}[model]
 
     return types.SimpleNamespace(
         transformer=transformer, encode_prompt=encode_prompt, tokenizer_max_length=1024,

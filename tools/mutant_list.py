@@ -55,6 +55,11 @@ FAILURE = "tests/test_failure_paths.py::test_a_failing_thread_ends_the_rollout_m
 SCALE = "tests/test_resume_scale.py::"
 FLUX_PIPELINE = "tests/test_families.py::test_flux_velocity_reproduces_flux_pipelines_own_sampling"
 INDEPENDENT = TRUTH + "test_the_fragment_and_the_trainers_log_probs_are_what_an_independent_sampler_gives"
+SD3 = "tests/test_sd3.py::"
+SD3_PIPELINE = SD3 + "test_velocity_reproduces_sd3_pipelines_own_sampling"
+ADV = "tests/test_advantages.py::"
+ADV_TRACKER = ADV + "test_per_prompt_advantages_equal_flow_grpos_stat_tracker"
+ADV_COLLAPSED = ADV + "test_collapsed_groups_are_flow_grpos_dropped_samples_and_the_floor_tames_near_collapse"
 
 
 def bad_input(flags: str) -> str:
@@ -372,6 +377,55 @@ MUTANTS = [
       "torch.randn(x.shape[1:], generator=g) for g in generators",
       "torch.randn(x.shape[1:], generator=generators[0]) for g in generators",
       "the noise of a trajectory depends on its batch: the independent FLUX sampler sees it", INDEPENDENT),
+    # --- the SD3.5 family (models/sd3.py) and its LoRA preset --------------------------------------------------
+    M("sd3-schedule-flux", "models/sd3.py",
+      'scheduler.set_timesteps(num_steps, device="cpu", **kwargs)',
+      'scheduler.set_timesteps(num_steps, sigmas=[1 - i / num_steps for i in range(num_steps)], device="cpu", **kwargs)',
+      "SD3 sampled on FLUX's explicit 1 .. 1/T schedule instead of the pipeline's own", SD3_PIPELINE),
+    M("sd3-shift-1", "models/sd3.py",
+      "FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0)",
+      "FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=1.0)",
+      "the tiny SD3 pipeline without SD3.5's sigma shift of 3",
+      SD3 + "test_schedule_and_latent_scaling_are_sd35_mediums"),
+    M("sd3-timestep-sigma", "models/sd3.py",
+      "t = sigma.to(torch.float32) * pipe.scheduler.config.num_train_timesteps",
+      "t = sigma.to(torch.float32) * 1",
+      "SD3's transformer gets sigma instead of the timestep t = 1000 sigma", SD3_PIPELINE),
+    M("sd3-timestep-bf16", "models/sd3.py",
+      "t = sigma.to(torch.float32) * pipe.scheduler.config.num_train_timesteps",
+      "t = (sigma.to(torch.float32) * pipe.scheduler.config.num_train_timesteps).to(latents.dtype)",
+      "a bf16 SD3 policy passes a bf16-rounded timestep (the pipeline passes float32 scheduler.timesteps)",
+      SD3 + "test_a_bf16_policy_passes_the_pipelines_float32_timesteps"),
+    M("sd3-cfg-swapped", "models/sd3.py",
+      "v_uncond, v_cond = v.chunk(2)", "v_cond, v_uncond = v.chunk(2)",
+      "SD3's CFG reads the pipeline's [uncond; cond] batch the other way round (guides away from the prompt)",
+      SD3_PIPELINE),
+    M("lora-sd3-feed-forward", "models/lora.py",
+      '"attn.to_out.0", "attn.to_q", "attn.to_v"), 32, 64.0',
+      '"attn.to_out.0", "attn.to_q", "attn.to_v", "ff.net.2"), 32, 64.0',
+      "the SD3 flow_grpo LoRA preset adapts a feed-forward layer Flow-GRPO's train_sd3.py leaves frozen",
+      SD3 + "test_lora_targets_are_flow_grpos_sd3_list"),
+    M("grpo-sigma-1-denominator", "grpo.py",
+      "denom = 1 - torch.where(s >= 1, s_next, s)", "denom = 1 - torch.where(s >= 1, s_next / 2, s)",
+      "the SDE's noise scale at sigma = 1 not Flow-GRPO's (1 - sigmas[1] in the denominator)",
+      SD3 + "test_sde_step_on_sd3_matches_flow_grpos_sd3_sde_with_logprob"),
+    # --- grpo.py: Flow-GRPO's advantage options ------------------------------------------------------------
+    M("grpo-global-std-ignored", "grpo.py",
+      "if global_std or not per_prompt:", "if not per_prompt:",
+      "global_std=True still normalises by each prompt's own std", ADV_TRACKER),
+    M("grpo-prompt-std-unbiased", "grpo.py",
+      "index, centred**2) / count", "index, centred**2) / (count - 1)",
+      "per-prompt std with ddof 1 (Flow-GRPO's np.std is ddof 0)", ADV_TRACKER),
+    M("grpo-std-floor-everywhere", "grpo.py",
+      "adv = (r - mean) / (std.clamp(min=std_floor) + eps)", "adv = (r - mean) / (std + std_floor + eps)",
+      "the std floor shrinks the advantages of every prompt, not only of the collapsed ones", ADV_COLLAPSED),
+    M("grpo-collapsed-inverted", "grpo.py",
+      "return std <= min_std", "return std > min_std",
+      "the collapsed-prompt mask drops the prompts with a learning signal and keeps the collapsed ones",
+      ADV_COLLAPSED),
+    M("grpo-batch-adv-unclipped", "grpo.py",
+      "        adv = adv.clamp(-clip, clip)\n    return adv.to(torch.float32)", "        pass\n    return adv.to(torch.float32)",
+      "batch advantages not clamped to +-adv_clip_max (5)", ADV + "test_outliers_are_clamped_at_five_as_flow_grpo_clamps"),
     # --- config validation -------------------------------------------------------------------------------
     M("config-fragment-divides-unchecked", "config.py",
       "    if c.prompts_per_step % c.fragment_groups:\n", "    if False:\n",
