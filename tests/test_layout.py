@@ -16,9 +16,9 @@ ALLOWED_THIRD_PARTY = {"torch", "einops"}
 
 
 def _imports(path: str, package: str = "") -> set[str]:
-    """Dotted names of every module `path` imports, at any depth (function-level imports count too). `from pkg import
-    a` gives both pkg and pkg.a (a may be a submodule, and only the module list can tell); relative imports are
-    resolved against `package`, the package `path` belongs to."""
+    """Dotted names of everything `path` imports, at any depth (function-level imports count too): `import a.b` gives
+    a.b, `from pkg import x` gives pkg.x (x may be a submodule or a name defined in pkg: only the module list can
+    tell); relative imports are resolved against `package`, the package `path` belongs to."""
     names = set()
     for node in ast.walk(ast.parse(open(path).read())):
         if isinstance(node, ast.Import):
@@ -28,8 +28,6 @@ def _imports(path: str, package: str = "") -> set[str]:
             if node.level:  # from . import x, from ..a import b: relative to this file's package
                 parent = package.split(".")[: max(len(package.split(".")) - node.level + 1, 0)] if package else []
                 base = ".".join(parent + ([node.module] if node.module else []))
-            if base:
-                names.add(base)
             names |= {f"{base}.{alias.name}" if base else alias.name for alias in node.names}
     return names
 
@@ -79,12 +77,15 @@ def _import_cycles(root: str = ROOT) -> list[list[str]]:
     graph = {}
     for name, path in modules.items():
         package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+        ancestors = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
         deps = set()
         for imported in _imports(path, package):
-            parts = imported.split(".")  # infra.rundir: the module and the packages it runs first (infra)
-            deps |= {".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in modules}
-        ancestors = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
-        graph[name] = deps - {name} - ancestors  # a submodule's own package is initialised before it: no cycle
+            parts = imported.split(".")
+            prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in modules]
+            if prefixes:  # the module it names (pkg.x: the submodule, else pkg itself) and the packages run first,
+                deps.add(prefixes[-1])  # except this module's own packages, already initialising when it runs
+                deps |= set(prefixes[:-1]) - ancestors
+        graph[name] = deps - {name}
     state, stack, cycles = {}, [], []
 
     def visit(node):
@@ -113,9 +114,12 @@ def test_the_cycle_check_sees_from_package_import_module_and_function_level_impo
     (tmp_path / "infra" / "saved_config.py").write_text("def f():\n    from . import rundir\n")
     (tmp_path / "infra" / "rundir.py").write_text("def g():\n    import config\n")
     assert _import_cycles(str(tmp_path)) == [["config", "infra.saved_config", "infra.rundir", "config"]]
-    (tmp_path / "infra" / "rundir.py").write_text("import torch\nfrom infra import tracing\n")
-    (tmp_path / "infra" / "tracing.py").write_text("from infra import __doc__ as doc\n")  # its own package: no cycle
+    (tmp_path / "infra" / "rundir.py").write_text("import torch\nfrom infra import tracing\nfrom . import tracing\n")
+    (tmp_path / "infra" / "tracing.py").write_text("import json\n")  # its own package runs first: no cycle
     assert _import_cycles(str(tmp_path)) == []
+    (tmp_path / "infra" / "__init__.py").write_text("from .rundir import g\n")  # a package that uses its module
+    (tmp_path / "infra" / "tracing.py").write_text("def h():\n    from infra import g\n")  # ... and back
+    assert _import_cycles(str(tmp_path)) == [["infra", "infra.rundir", "infra.tracing", "infra"]]
 
 
 def test_no_import_cycles():
