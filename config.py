@@ -465,7 +465,9 @@ def reward_probe(c: Config, source):
 
 
 def to_json(c: Config) -> str:
-    return json.dumps(dataclasses.asdict(c), indent=1, sort_keys=True)
+    """config.json's text (infra/rundir.py owns the run directory's files; config imports infra, never back)."""
+    from infra import rundir
+    return rundir.to_json(c)
 
 
 def from_dict(d: dict) -> Config:
@@ -474,5 +476,6 @@ def from_dict(d: dict) -> Config:
 
 
 def default_run_name(c: Config) -> str:
-    import time
-    return f"{c.model}-{c.mode}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    """A new run's directory name (infra/rundir.py's, which names run directories)."""
+    from infra import rundir
+    return rundir.default_run_name(c)
