@@ -111,8 +111,9 @@ def test_velocity_reproduces_the_pipelines_own_sampling(name, built):
     torch.testing.assert_close(x, target.float(), rtol=1e-4, atol=1e-4)
 
 
-def _flux_euler_and_pipeline(policy, prompt, steps, seed):
-    """(an Euler ODE loop over policy.velocity, FluxPipeline(output_type="latent")'s latents, its schedule)."""
+def euler_and_pipeline(policy, prompt, steps, seed):
+    """(an Euler ODE loop over policy.velocity, the family's diffusers pipeline's own latents (output_type="latent"),
+    the schedule it used): FluxPipeline's packed [1, tokens, 4C], StableDiffusion3Pipeline's [1, C, h, w]."""
     pipe = policy.pipe
     target = pipe(prompt=[prompt], height=policy.height, width=policy.width, num_inference_steps=steps,
                   guidance_scale=policy.guidance, max_sequence_length=policy.max_sequence_length, output_type="latent",
@@ -136,11 +137,11 @@ def test_flux_velocity_reproduces_flux_pipelines_own_sampling(tiny_cache, resolu
     grid, a schedule without the resolution-dependent shift, the pooled and sequence embeddings swapped."""
     steps, prompt, seed = 3, "a red image", 0
     policy = models.load("flux", models.tiny_pipeline_path("flux"), height=resolution)
-    torch.testing.assert_close(policy.sigmas(steps), _flux_euler_and_pipeline(policy, prompt, steps, seed)[2])
+    torch.testing.assert_close(policy.sigmas(steps), euler_and_pipeline(policy, prompt, steps, seed)[2])
     landed = {}
     for guidance in (3.5, 5.0):
         policy.guidance = guidance
-        x, target, _ = _flux_euler_and_pipeline(policy, prompt, steps, seed)
+        x, target, _ = euler_and_pipeline(policy, prompt, steps, seed)
         torch.testing.assert_close(x, target, rtol=1e-4, atol=1e-4)
         landed[guidance] = x
     assert float((landed[3.5] - landed[5.0]).abs().max()) > 1e-3  # the guidance scale changes where it lands

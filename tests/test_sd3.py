@@ -5,7 +5,6 @@ and schedule, and Flow-GRPO's SD3 LoRA target list (scripts/train_sd3.py).
 Run: python -m pytest -q tests/test_sd3.py
 """
 import json
-import math
 import os
 
 import pytest
@@ -30,51 +29,11 @@ def sd3_path(tmp_path_factory):
     return str(path)
 
 
-# --- Flow-GRPO: yifan123/flow_grpo, flow_grpo/diffusers_patch/sd3_sde_with_logprob.py, `sde_step_with_logprob`,
-# commit 54809b5fcf4d3930d2a17fa553928704bd0b719e, re-typed as it is for sde_type="sde" (the default, what
-# scripts/train_sd3.py samples and trains with); `self` is the pipeline's FlowMatchEulerDiscreteScheduler.
-def flow_grpo_sd3_sde_step_with_logprob(self, model_output, timestep, sample, noise_level=0.7, prev_sample=None,
-                                        generator=None):
-    from diffusers.utils.torch_utils import randn_tensor
-
-    model_output = model_output.float()
-    sample = sample.float()
-    if prev_sample is not None:
-        prev_sample = prev_sample.float()
-    step_index = [self.index_for_timestep(t) for t in timestep]
-    prev_step_index = [step + 1 for step in step_index]
-    sigma = self.sigmas[step_index].view(-1, *([1] * (len(sample.shape) - 1)))
-    sigma_prev = self.sigmas[prev_step_index].view(-1, *([1] * (len(sample.shape) - 1)))
-    sigma_max = self.sigmas[1].item()
-    dt = sigma_prev - sigma
-    std_dev_t = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma))) * noise_level
-    prev_sample_mean = sample * (1 + std_dev_t**2 / (2 * sigma) * dt) + model_output * (1 + std_dev_t**2 * (1 - sigma) / (2 * sigma)) * dt
-    if prev_sample is None:
-        variance_noise = randn_tensor(model_output.shape, generator=generator, device=model_output.device,
-                                      dtype=model_output.dtype)
-        prev_sample = prev_sample_mean + std_dev_t * torch.sqrt(-1 * dt) * variance_noise
-    log_prob = (
-        -((prev_sample.detach() - prev_sample_mean) ** 2) / (2 * ((std_dev_t * torch.sqrt(-1 * dt))**2))
-        - torch.log(std_dev_t * torch.sqrt(-1 * dt))
-        - torch.log(torch.sqrt(2 * torch.as_tensor(math.pi)))
-    )
-    log_prob = log_prob.mean(dim=tuple(range(1, log_prob.ndim)))
-    return prev_sample, log_prob, prev_sample_mean, std_dev_t
-
-
-def _euler_and_pipeline(policy, prompt, steps, seed):
-    """(an Euler ODE loop over policy.velocity, StableDiffusion3Pipeline(output_type="latent")'s latents, its schedule)."""
-    pipe = policy.pipe
-    target = pipe(prompt=[prompt], height=policy.height, width=policy.width, num_inference_steps=steps,
-                  guidance_scale=policy.guidance, max_sequence_length=policy.max_sequence_length, output_type="latent",
-                  generator=torch.Generator().manual_seed(seed)).images  # [1, C, h, w]
-    schedule = pipe.scheduler.sigmas.clone().float()  # what the pipeline just used
-    x = policy.noise(torch.Generator().manual_seed(seed))[None]
-    cond = policy.encode_prompts([prompt])
-    with torch.no_grad():
-        for i in range(steps):
-            x = x + (schedule[i + 1] - schedule[i]) * policy.velocity(x, schedule[i].expand(1), cond)
-    return x, target.float(), schedule
+# Flow-GRPO's own SDE step (flow_grpo/diffusers_patch/sd3_sde_with_logprob.py, re-typed once, in
+# test_reference_steps.py: the file is SD3's, scripts/train_sd3.py samples and trains with it) and the Euler loop
+# against a pipeline's own sampling (test_families.py).
+from test_families import euler_and_pipeline  # noqa: E402
+from test_reference_steps import flow_grpo_sde_step_with_logprob as flow_grpo_sd3_sde_step_with_logprob  # noqa: E402
 
 
 @pytest.mark.parametrize("resolution", [32, 64])
@@ -89,7 +48,7 @@ def test_velocity_reproduces_sd3_pipelines_own_sampling(sd3_path, resolution):
     landed = {}
     for guidance in (4.5, 1.0):
         policy.guidance = guidance
-        x, target, schedule = _euler_and_pipeline(policy, prompt, steps, seed)
+        x, target, schedule = euler_and_pipeline(policy, prompt, steps, seed)
         torch.testing.assert_close(policy.sigmas(steps), schedule)
         torch.testing.assert_close(x, target, rtol=1e-4, atol=1e-4)
         landed[guidance] = x
