@@ -140,7 +140,7 @@ def test_bound_is_never_beaten():
                           fragment_groups=rng.choice([1, 2, 3]), max_stale=rng.randint(0, 3),
                           tsp_pack=rng.choice([1, 2, 4]), steps=7, fsdp=rng.random() < 0.3,
                           tag_split=rng.choice(["groups", "trajectories"]),
-                          tsp_stream=rng.random() < 0.3)
+                          tsp_span=rng.random() < 0.3)
         wl.train_steps = rng.randint(1, wl.num_steps)
         maybe = lambda: rng.choice([0.0, rng.uniform(0, 0.02)])  # noqa: E731
         costs = sim.Costs(forward_s={1: rng.uniform(0.001, 0.02), 8: rng.uniform(0.001, 0.02)},

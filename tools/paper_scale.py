@@ -29,7 +29,7 @@ from tools.simulate import (MODES, REAL_COLOCATED, Cluster, Costs, Workload,  # 
 
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 PAPER_SPEEDUP = "1.56-2.10x"
-WHAT_IFS = {"TAG by trajectories": {"tag_split": "trajectories"}, "TSP stream": {"tsp_stream": True}}
+WHAT_IFS = {"TAG by trajectories": {"tag_split": "trajectories"}, "TSP packs span fragments": {"tsp_span": True}}
 
 
 def _profile(name: str) -> dict:
