@@ -4,14 +4,18 @@ from the H200 per-operation costs measured in profiles/ and the paper's settings
     python tools/paper_scale.py              # every case, every mode, and the summary
     python tools/paper_scale.py --out x.json
 
-Each case runs every mode through simulate.py's event model with the best R/K split, plus DigenRL
-with the smallest stale budget (j=1). Two colocated baselines: `colocated` is ideal (no switch
-cost); `colocated-real` pays what a veRL-Omni-style system pays per step (rollout sleep/wake,
-weight sync, actor offload/reload; costs and their sources in profiles/colocated_switch.json).
-The summary puts DigenRL's speedup over both next to the paper's 1.56-2.10x, and shows what two
-changes beyond the runtime's design would buy (TAG split by trajectories, TSP packs spanning
-fragments). A family with no measured profile is scaled from a measured one by FLOPs, and the
-output says so. (simulate.py does not import this file: the dependency runs one way.)
+Each case runs every mode through simulate.py's event model with the best R/K split and the runtime's
+default knobs ("digenrl before": fragments of one group, the model's pack, j = R, without issue 25's
+changes), plus DigenRL with the smallest stale budget (j=1). The "digenrl" row is tools/plan.py's best
+configuration (R, fragment size, pack, TAG, j; memory-checked) with issue 25's runtime (TSP packs that
+span fragments, TAG by trajectories); "digenrl planned, today" is the planner's best without them, so
+the summary separates what the knobs buy from what the runtime changes buy. Two colocated baselines:
+`colocated` is ideal (no switch cost); `colocated-real` pays what a veRL-Omni-style system pays per
+step (rollout sleep/wake, weight sync, actor offload/reload; costs and their sources in
+profiles/colocated_switch.json). The summary puts DigenRL's speedup over both next to the paper's
+1.56-2.10x. A family with no measured profile is scaled from a measured one by FLOPs, and the output
+says so. (simulate.py does not import this file: the dependency runs one way; plan.py imports it and
+this file imports plan.py inside run_case.)
 """
 from __future__ import annotations
 

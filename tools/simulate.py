@@ -6,15 +6,22 @@
     python tools/paper_scale.py                                     # the seed models on 16/32 H200s
 
 `simulate(mode, costs, cluster, workload)` runs a small discrete-event simulation that follows the
-runtime's protocol. The fragment queue hands out contiguous ranges of GROUPS: a rollout rank claims
-`fragment_groups` at a time (the last claim may get fewer) and streams each finished range to the
-trainer, which trains them in arrival order (GAP) or after the whole batch (naive). TSP spreads a
-range's packed pairs over all K trainers (padding included, tsp.num_passes); without TSP whole
+runtime's protocol. The fragment queue is a counter of TRAJECTORIES: a rollout rank claims a contiguous
+range of m = fragment_groups x G at a time (the last claim may get fewer) and streams each finished
+range to the trainer, which trains each group once all its G trajectories are in, in arrival order
+(GAP) or after the whole batch (naive). TSP spreads the pairs over all K trainers; without TSP whole
 fragments are dealt round-robin. TAG: when nothing has arrived, the trainer leader asks
-tag.assist_groups (the runtime's own predictor) how many groups to claim, and the K trainers
-generate them (split by groups, tag.split_groups); right before publishing the weights of step
-k + 1 it makes the same decision for step k + 1. TCSS lets rollout ranks generate up to j fragments
-of the next batch with the weights they hold. A step ends when all B groups are trained.
+tag.assist_groups (the runtime's own predictor) how much to claim, and the K trainers generate it;
+right before publishing the weights of step k + 1 it makes the same decision for step k + 1. TCSS
+lets rollout ranks generate up to j fragments of the next batch with the weights they hold. A step
+ends when all B groups are trained.
+Issue 25's two runtime changes are Workload options of this one model (defaults: the runtime today):
+  tsp_span    packs span fragments: a trainer's pairs of consecutive fragments fill the same packs and a
+              pack trains once every trainer can fill it (sim_model.spanning_passes); only the step's last
+              pack is padded. Off: each fragment is padded to whole packs (tsp.num_passes).
+  tag_split   "trajectories": the predictor runs in units of trajectories, so the leader may claim part
+              of a group, split over the K trainers by trajectories; "groups": whole groups, split by
+              groups (a trainer without a share idles).
 Colocated: every rank generates its static share of fragments, then trains it; "colocated-real"
 also pays `costs.switch_s` per step (offload/reload and weight sync, see paper_scale.py).
 Several steps are simulated; the report is the steady-state mean (warm-up and last step excluded).
