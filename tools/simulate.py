@@ -405,7 +405,8 @@ def main(argv=None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     costs, data = load_costs(args.costs)
-    wl = Workload(**{**data["workload"], "steps": args.steps})
+    legacy = {"tsp_stream": "tsp_span"}  # costs files written before issue 25 name the option so
+    wl = Workload(**{**{legacy.get(k, k): v for k, v in data["workload"].items()}, "steps": args.steps})
     cluster = Cluster(**{**data["cluster"], **({"nproc": args.nproc} if args.nproc else {})})
     if args.rollout_ranks is not None:
         cluster.rollout_ranks = args.rollout_ranks or 1
