@@ -188,9 +188,12 @@ def best(p: Problem, memory_cache: dict | None = None, top: int = 5) -> tuple[li
     return kept, rejected
 
 
-def ideal_colocated_s(p: Problem) -> float:
+def ideal_colocated_s(p: Problem) -> float | None:
+    """The ideal colocated system (no switch cost) on the same GPUs; None when the slower GPUs are not fixed."""
+    if p.rollout_speed != 1 and p.rollout_gpus is None:
+        return None
     wl = paper_workload(p.label)
-    return simulate("colocated", p.costs(wl.fragment_groups), p.cluster(1), wl).step_s
+    return simulate("colocated", p.costs(wl.fragment_groups), p.cluster(p.rollout_gpus or 1), wl).step_s
 
 
 def describe(plan: Plan, gpus: int) -> str:
@@ -235,8 +238,10 @@ def main(argv=None) -> int:
         return 1
     ideal = ideal_colocated_s(p)
     top = plans[0]
-    print(f"best: predicted step {top.report.step_s:.2f} s (ideal colocated {ideal:.2f} s: "
-          f"{ideal / top.report.step_s:.2f}x)\n  {describe(top, p.gpus)}\n{command(p, top.candidate)}")
+    versus = (f"ideal colocated on the same GPUs {ideal:.2f} s: {ideal / top.report.step_s:.2f}x" if ideal else
+              "give --rollout-gpus for the colocated comparison")
+    print(f"best: predicted step {top.report.step_s:.2f} s ({versus})\n  {describe(top, p.gpus)}\n"
+          f"{command(p, top.candidate)}")
     if len(plans) > 1:
         print("runner-up configurations:")
         for plan in plans[1:]:
