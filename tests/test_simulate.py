@@ -282,14 +282,15 @@ def test_tag_by_trajectories_by_hand():
 
 def test_tag_may_claim_part_of_a_group_by_hand():
     """Catches claims by trajectories rounded to whole groups, or a partial group trained before it is complete.
-    By hand: one group of G = 4 per step, one rollout rank and one trainer of the same speed. A group takes
-    4 x 4 x 0.05 = 0.8 s on one GPU, so by whole groups TAG cannot help (0.8 s + 4 pairs x 0.001 s); claiming half
-    the group, the trainer generates 2 trajectories while the rollout rank generates the other 2 (0.4 s), and the
-    group trains once both halves are in: 0.404 s."""
+    By hand: one group of G = 3 per step, one rollout rank and one trainer of the same speed, 4 x 0.05 = 0.2 s per
+    trajectory. By whole groups TAG cannot help: 0.6 s on either GPU, + 3 pairs x 0.001 s. By trajectories the
+    predictor claims 1 (2 ties at the same predicted end; ties go to the smaller claim): the trainer generates it
+    in 0.2 s while the rollout rank generates the other 2 (0.4 s), and the group trains once all 3 are in: 0.403 s
+    (trained on the trainer's third alone, it would be 0.203 s)."""
     costs = _costs(f=0.05, b=0.001, publish=0.0)
-    wl = sim.Workload(groups=1, group_size=4, num_steps=4, train_steps=1, tsp_pack=1, steps=8, tsp_span=True)
+    wl = sim.Workload(groups=1, group_size=3, num_steps=4, train_steps=1, tsp_pack=1, steps=8, tsp_span=True)
     one_each = sim.Cluster(nproc=2, rollout_ranks=1)
     groups = sim.simulate("gap+tsp+tag", costs, one_each, wl)
     traj = sim.simulate("gap+tsp+tag", costs, one_each, sim.Workload(**{**wl.__dict__, "tag_split": "trajectories"}))
-    assert groups.step_s == pytest.approx(0.804) and groups.tag_groups == 0
-    assert traj.step_s == pytest.approx(0.404) and traj.tag_groups == pytest.approx(0.5)
+    assert groups.step_s == pytest.approx(0.603) and groups.tag_groups == 0
+    assert traj.step_s == pytest.approx(0.403) and traj.tag_groups == pytest.approx(1 / 3)
