@@ -54,7 +54,7 @@ def test_no_lora_plans_fsdp_and_respects_its_tag_rule():
     """Catches a full fine-tuning plan without FSDP (a 12B model's fp32 state does not fit one H200) or with TAG and
     fragments smaller than K (config.validate refuses it)."""
     p = _problem("flux", lora=False)
-    refused = plan.admissible(p, plan.Candidate(8, 1, 1, True, 8), {})
+    refused = plan.admissible(p, plan.Candidate(8, 1, 1, True, 8), plan_memory.load())
     assert refused[0] is False and "--fragment-groups >= K" in refused[2]
     plans, _ = plan.best(p, top=3)
     for x in plans:
