@@ -51,12 +51,14 @@ def test_printed_command_passes_config_validate(family, tiny_cache):
 
 
 def test_no_lora_plans_fsdp_and_respects_its_tag_rule():
-    """Catches a full fine-tuning plan without FSDP (a 12B model's fp32 state does not fit one H200) or with TAG and
-    fragments smaller than K (config.validate refuses it)."""
+    """Catches a full fine-tuning plan without FSDP (a 12B model's fp32 state does not fit one H200), with TAG and
+    fragments smaller than K (config.validate refuses it), or one that keeps TAG at any price (K <= 4 trainers, so
+    that fragments of 4 groups are >= K, instead of TAG off)."""
     p = _problem("flux", lora=False)
     refused = plan.admissible(p, plan.Candidate(8, 1, 1, True, 8), plan_memory.load())
     assert refused[0] is False and "--fragment-groups >= K" in refused[2]
     plans, _ = plan.best(p, top=3)
+    assert plans[0].report.efficiency > 0.8  # TAG off (or fragments >= K) rather than K <= 4 trainers
     for x in plans:
         args = plan.main_args(p, x.candidate, pretrained=None)
         assert "--fsdp" in args and "--no-lora" in args

@@ -120,12 +120,17 @@ def search(p: Problem, memory_cache: dict | None = None) -> tuple[list[Plan], di
     pack0 = paper_settings()["models"][p.label]["pack"]
     splits = [p.rollout_gpus] if p.rollout_gpus else range(1, p.gpus)
     seen: dict = {}
-    first = [evaluate(p, Candidate(r, 1, pack0, True, r), memory_cache, seen) for r in splits]
-    first += [evaluate(p, Candidate(r, f, k, True, r), memory_cache, seen)  # when the default does not fit
-              for r in splits for f in FRAGMENT_GROUPS for k in PACKS] if not any(first) else []
-    ranked = sorted({x.candidate.rollout_ranks: x for x in first if x}.values(), key=lambda x: x.report.step_s)
+    sizes = FRAGMENT_GROUPS if p.lora else FRAGMENT_GROUPS + (8, 16)  # FSDP + TAG needs fragments >= K
+    first = []
+    for r in splits:  # stage 1: the default knobs per R (TAG off, or the first that fits, where they do not)
+        for f, k, tag in [(1, pack0, True), (1, pack0, False)] + [(f, k, t) for f in sizes for k in PACKS
+                                                                  for t in (True, False)]:
+            if plan := evaluate(p, Candidate(r, f, k, tag, r), memory_cache, seen):
+                first.append(plan)
+                break
+    ranked = sorted(first, key=lambda x: x.report.step_s)
     for r in [x.candidate.rollout_ranks for x in ranked[:3]]:
-        for f in FRAGMENT_GROUPS:
+        for f in sizes:
             for k in PACKS:
                 for tag in (True, False):
                     for j in sorted({0, 1, r}):

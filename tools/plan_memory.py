@@ -12,7 +12,7 @@ peak is a line in its batch (activations grow with the samples of one forward; w
 state and the text encoders do not):
     rollout_gib(samples) = rollout_gib(s0) + (samples - s0) * slope_rollout      (samples = fragment_groups G)
     trainer_gib(pack, K) = trainer_gib(p0) + (pack - p0) * slope_trainer + states(K) - states(K0)
-where states(K) is estimate_memory.hand_bytes (full fine-tuning under FSDP keeps 1/K of the fp32 masters,
+where states(K) is as estimate_memory.hand_bytes computes it (full fine-tuning under FSDP keeps 1/K of the fp32 masters,
 gradients and AdamW; LoRA's do not depend on K). A configuration fits when both peaks plus RESERVE_GIB are at
 most the H200's 140.4 GiB (estimate_memory.GPUS["141 GB"]).
 """
@@ -100,7 +100,7 @@ def peaks(family: str, lora: bool, fragment_groups: int, pack: int, trainers: in
     _, s = settings(family)
     rollout = _line(points, "fragment_samples", "rollout_gib", fragment_groups * s["G"])
     trainer = _line(points, "tsp_pack", "trainer_gib", pack)
-    if not lora:  # full fine-tuning under FSDP: 18 B/param (fp32 master + grad + AdamW) / K, by hand
+    if not lora:  # full fine-tuning under FSDP: 16 B/param (fp32 master, gradient, AdamW m and v) / K
         params = points[0]["params_b"] * 1e9
         trainer += 16 * params * (1 / trainers - 1 / points[0]["trainers"]) / GIB
     return {"rollout_gib": rollout, "trainer_gib": trainer}
