@@ -108,8 +108,9 @@ def test_paper_scale_digenrl_row_is_the_plans():
     assert case["command"] == plan.command(_problem("flux"), best.candidate)
 
 
-@pytest.mark.parametrize("flags, message", [(["--gpus", "1"], "at least 2"), (["--gpus", "16", "--rollout-speed", "0"],
-                                            "must be in"), (["--gpus", "16", "--rollout-gpus", "16"], "between 1")])
+@pytest.mark.parametrize("flags, message", [
+    (["--gpus", "1"], "at least 2"), (["--gpus", "16", "--rollout-speed", "0"], "must be in"),
+    (["--gpus", "16", "--rollout-gpus", "16"], "between 1")])
 def test_bad_input_is_one_line(flags, message, capsys):
     """Catches a planner that crashes (or plans nonsense) on a cluster it cannot run."""
     with pytest.raises(SystemExit) as exit_info:

@@ -204,8 +204,8 @@ def ideal_colocated_s(p: Problem) -> float | None:
 def describe(plan: Plan, gpus: int) -> str:
     c, mem = plan.candidate, plan.memory
     memory = f"rollout {mem['rollout_gib']:5.1f} trainer {mem['trainer_gib']:5.1f} GiB" if mem else "no estimate"
-    return (f"R={c.rollout_ranks:<2} K={gpus - c.rollout_ranks:<2} fragment {c.fragment_groups} pack {c.tsp_pack} tag {'on ' if c.tag else 'off'} j={c.max_stale:<2} "
-            f"step {plan.report.step_s:7.2f} s  eff {plan.report.efficiency:.2f}  "
+    return (f"R={c.rollout_ranks:<2} K={gpus - c.rollout_ranks:<2} fragment {c.fragment_groups} pack {c.tsp_pack} "
+            f"tag {'on ' if c.tag else 'off'} j={c.max_stale:<2} step {plan.report.step_s:7.2f} s  eff {plan.report.efficiency:.2f}  "
             f"tag groups/step {plan.report.tag_groups:4.1f}  {memory}")
 
 
