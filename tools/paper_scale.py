@@ -4,14 +4,18 @@ from the H200 per-operation costs measured in profiles/ and the paper's settings
     python tools/paper_scale.py              # every case, every mode, and the summary
     python tools/paper_scale.py --out x.json
 
-Each case runs every mode through simulate.py's event model with the best R/K split, plus DigenRL
-with the smallest stale budget (j=1). Two colocated baselines: `colocated` is ideal (no switch
-cost); `colocated-real` pays what a veRL-Omni-style system pays per step (rollout sleep/wake,
-weight sync, actor offload/reload; costs and their sources in profiles/colocated_switch.json).
-The summary puts DigenRL's speedup over both next to the paper's 1.56-2.10x, and shows what two
-changes beyond the runtime's design would buy (TAG split by trajectories, TSP packs spanning
-fragments). A family with no measured profile is scaled from a measured one by FLOPs, and the
-output says so. (simulate.py does not import this file: the dependency runs one way.)
+Each case runs every mode through simulate.py's event model with the best R/K split and the runtime's
+default knobs ("digenrl before": fragments of one group, the model's pack, j = R, without issue 25's
+changes), plus DigenRL with the smallest stale budget (j=1). The "digenrl" row is tools/plan.py's best
+configuration (R, fragment size, pack, TAG, j; memory-checked) with issue 25's runtime (TSP packs that
+span fragments, TAG by trajectories); "digenrl planned, today" is the planner's best without them, so
+the summary separates what the knobs buy from what the runtime changes buy. Two colocated baselines:
+`colocated` is ideal (no switch cost); `colocated-real` pays what a veRL-Omni-style system pays per
+step (rollout sleep/wake, weight sync, actor offload/reload; costs and their sources in
+profiles/colocated_switch.json). The summary puts DigenRL's speedup over both next to the paper's
+1.56-2.10x. A family with no measured profile is scaled from a measured one by FLOPs, and the output
+says so. (simulate.py does not import this file: the dependency runs one way; plan.py imports it and
+this file imports plan.py inside run_case.)
 """
 from __future__ import annotations
 
@@ -29,7 +33,6 @@ from tools.simulate import (MODES, REAL_COLOCATED, Cluster, Costs, Workload,  # 
 
 PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 PAPER_SPEEDUP = "1.56-2.10x"
-WHAT_IFS = {"TAG by trajectories": {"tag_split": "trajectories"}, "TSP stream": {"tsp_stream": True}}
 
 
 def _profile(name: str) -> dict:
@@ -92,15 +95,25 @@ def scaled_costs(base: Costs, ratio: float, label: str, true_cfg: bool) -> Costs
 
 
 def run_case(label: str, nproc, p: dict) -> dict:
-    """Every mode for one model on one cluster; nproc = 16, 32 or "hetero"."""
+    """Every mode for one model on one cluster; nproc = 16, 32 or "hetero". The "digenrl" row is the
+    planner's best configuration (tools/plan.py) with issue 25's runtime; "digenrl before" is the
+    runtime's defaults (fragments of one group, the model's pack, j = R, best R) without it."""
+    from tools import plan  # plan.py imports this file: imported here, the dependency stays one-way at load
+
     extra = p["unmeasured_example"]
     key = label if label in p["models"] else extra["scale_from"]
     wl = paper_workload(key)
-    costs = paper_costs(key, wl.m, wl.train_steps)
-    if key != label:  # a family with no profile: FLOPs-scaled from a measured one
-        ratio = extra["params"] / p["models"][key]["params"] * extra["tokens_ratio"]
-        costs = scaled_costs(costs, ratio, label, extra["true_cfg"])
-    if nproc == "hetero":
+
+    def costs_of(fragment_groups: int) -> Costs:
+        base = paper_costs(key, fragment_groups * wl.group_size, wl.train_steps)
+        if key == label:
+            return base
+        ratio = extra["params"] / p["models"][key]["params"] * extra["tokens_ratio"]  # FLOPs-scaled
+        return scaled_costs(base, ratio, label, extra["true_cfg"])
+
+    costs = costs_of(wl.fragment_groups)
+    hetero = nproc == "hetero"
+    if hetero:
         cluster = Cluster(32, 16, rollout_kind="half", speeds={"h200": 1.0, "half": 0.5})
         run = lambda mode, w: simulate(mode, costs, cluster, w)  # noqa: E731
     else:
@@ -110,14 +123,23 @@ def run_case(label: str, nproc, p: dict) -> dict:
     real = dataclasses.replace(costs, switch_s=sum(v for k, v in parts.items() if k.endswith(")")))
     reports = [run(mode, wl) for mode in MODES]
     reports.insert(1, simulate(REAL_COLOCATED, real, cluster, wl))
+    reports[-1] = dataclasses.replace(reports[-1], mode="digenrl before")
     reports.append(dataclasses.replace(run("digenrl", paper_workload(key, max_stale=1)),
-                                       mode="digenrl j=1"))
-    what_if = {name: run("digenrl", dataclasses.replace(wl, **kw)) for name, kw in WHAT_IFS.items()}
-    what_if["both"] = run("digenrl", dataclasses.replace(
-        wl, **{k: v for kw in WHAT_IFS.values() for k, v in kw.items()}))
-    where = "16 rollout GPUs at 0.5x + 16 H200 trainers" if nproc == "hetero" else f"{nproc} H200"
+                                       mode="digenrl j=1 before"))
+    planned = {}
+    for runtime in ("today", "issue25"):
+        problem = plan.Problem(key, p["models"][key]["family"] if key == label else None, cluster.nproc,
+                               rollout_speed=0.5 if hetero else 1.0, rollout_gpus=16 if hetero else None,
+                               runtime=runtime, costs_of=costs_of)
+        plans, _ = plan.best(problem, top=1)
+        planned[runtime] = (problem, plans[0])
+    problem, best_plan = planned["issue25"]
+    reports.append(dataclasses.replace(planned["today"][1].report, mode="digenrl planned, today"))
+    reports.append(dataclasses.replace(best_plan.report, mode="digenrl"))
+    where = "16 rollout GPUs at 0.5x + 16 H200 trainers" if hetero else f"{nproc} H200"
     return {"model": label, "cluster": where, "provenance": costs.provenance, "workload": wl,
-            "switch": parts, "reports": reports, "what_if": what_if}
+            "switch": parts, "reports": reports, "plan": best_plan.candidate,
+            "command": plan.command(problem, best_plan.candidate) if problem.family else None}
 
 
 def print_case(case: dict) -> None:
@@ -130,6 +152,7 @@ def print_case(case: dict) -> None:
     for rep in reports:
         print("  " + format_report(rep))
     d = by["digenrl"]
+    print(f"  planner's choice: {case['plan']}" + (f"\n  {case['command']}" if case["command"] else ""))
     print(f"  DigenRL vs ideal colocated {by['colocated'].step_s / d.step_s:.2f}x, vs real-cost "
           f"colocated {by[REAL_COLOCATED].step_s / d.step_s:.2f}x (paper: {PAPER_SPEEDUP}), "
           f"vs naive {by['naive'].step_s / d.step_s:.2f}x; a colocated switch cost of "
@@ -137,16 +160,17 @@ def print_case(case: dict) -> None:
 
 
 def print_summary(cases: list[dict]) -> None:
-    names = list(cases[0]["what_if"])
-    print("\n## Summary: DigenRL step-time ratio (higher = DigenRL faster)")
-    print(f"  {'model':<34}{'GPUs':<44}{'vs ideal':>9}{'vs real':>9}{'paper':>11}  "
-          + "".join(f"{'ideal, ' + n:>26}" for n in names))
+    print("\n## Summary: DigenRL step-time ratio (higher = DigenRL faster). before: the runtime's defaults "
+          "without issue 25; planned: tools/plan.py's best configuration, today's runtime; after: planned, with "
+          "TSP packs spanning fragments and TAG by trajectories")
+    print(f"  {'model':<34}{'GPUs':<44}{'vs ideal: before':>17}{'planned':>9}{'after':>7}"
+          f"{'vs real: before':>16}{'after':>7}{'paper':>11}")
     for case in cases:
-        by = {r.mode: r for r in case["reports"]}
-        ideal, real, d = by["colocated"].step_s, by[REAL_COLOCATED].step_s, by["digenrl"].step_s
-        print(f"  {case['model']:<34}{case['cluster']:<44}{ideal / d:>8.2f}x{real / d:>8.2f}x"
-              f"{PAPER_SPEEDUP:>11}  " + "".join(
-                  f"{ideal / case['what_if'][n].step_s:>25.2f}x" for n in names))
+        by = {r.mode: r.step_s for r in case["reports"]}
+        ideal, real = by["colocated"], by[REAL_COLOCATED]
+        before, planned, after = by["digenrl before"], by["digenrl planned, today"], by["digenrl"]
+        print(f"  {case['model']:<34}{case['cluster']:<44}{ideal / before:>16.2f}x{ideal / planned:>8.2f}x"
+              f"{ideal / after:>6.2f}x{real / before:>15.2f}x{real / after:>6.2f}x{PAPER_SPEEDUP:>11}")
 
 
 def print_paper(out: str | None = None) -> list[dict]:
@@ -166,7 +190,7 @@ def print_paper(out: str | None = None) -> list[dict]:
         with open(out, "w") as f:
             json.dump([{**r, "workload": dataclasses.asdict(r["workload"]),
                         "reports": [dataclasses.asdict(x) for x in r["reports"]],
-                        "what_if": {k: dataclasses.asdict(x) for k, x in r["what_if"].items()}}
+                        "plan": dataclasses.asdict(r["plan"])}
                        for r in results], f, indent=1)
     return results
 
