@@ -30,7 +30,7 @@ if __package__ in (None, ""):  # run as `python tools/X.py`: make the project ro
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tools import plan_memory  # noqa: E402
-from tools.paper_scale import paper_costs, paper_settings, paper_workload  # noqa: E402
+from tools.paper_costs import paper_costs, paper_settings, paper_workload  # noqa: E402
 from tools.simulate import Cluster, StepReport, simulate  # noqa: E402
 
 RUNTIMES = {"issue25": {"tsp_span": True, "tag_split": "trajectories"}, "today": {}}
