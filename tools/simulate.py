@@ -339,6 +339,8 @@ def load_costs(path: str) -> tuple[Costs, dict]:
     costs = Costs(**data["costs"])
     costs.forward_s, costs.train_s = ({int(k): v for k, v in t.items()}
                                       for t in (costs.forward_s, costs.train_s))
+    legacy = {"tsp_stream": "tsp_span"}  # costs files written before issue 25 name the option so
+    data["workload"] = {legacy.get(k, k): v for k, v in data.get("workload", {}).items()}
     return costs, data
 
 
@@ -405,8 +407,7 @@ def main(argv=None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     costs, data = load_costs(args.costs)
-    legacy = {"tsp_stream": "tsp_span"}  # costs files written before issue 25 name the option so
-    wl = Workload(**{**{legacy.get(k, k): v for k, v in data["workload"].items()}, "steps": args.steps})
+    wl = Workload(**{**data["workload"], "steps": args.steps})
     cluster = Cluster(**{**data["cluster"], **({"nproc": args.nproc} if args.nproc else {})})
     if args.rollout_ranks is not None:
         cluster.rollout_ranks = args.rollout_ranks or 1
