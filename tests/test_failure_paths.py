@@ -1,5 +1,5 @@
 """The rollout rank's background threads fail loudly: an error in the fragment sender (rollout.Sender) or in
-the weight mailbox (async_policy.Mailbox) ends the rank's main thread with a message naming the thread,
+the weight mailbox (tcss.Mailbox) ends the rank's main thread with a message naming the thread,
 wherever the main thread is at that moment; never a hang (no wait has a deadline, and liveness sees two
 live ranks that each wait for the other).
 
@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import async_policy
+import tcss
 import dist_harness
 import gap
 import rollout
@@ -50,16 +50,16 @@ def _worker(rank, world, store, fault, use_async, fragment_groups, groups_per_st
     queue = gap.FragmentQueue(dist.PrefixStore("queue", store), groups_per_step)
     weights = [torch.arange(4.0)]
     if rank == 1:  # the trainer, scripted: take each announced fragment, publish the next version after each step
-        async_policy.publish(iter(weights), 1, 0, src=1, group=publish)
+        tcss.publish(iter(weights), 1, 0, src=1, group=publish)
         for step in range(STEPS):
             for seq in range(groups_per_step // fragment_groups):
                 gap.recv_fragment(queue.wait(step, seq).producer, group=data)
-            async_policy.publish(iter(weights), 1, step + 1, src=1, group=publish)
-        async_policy.publish([], 0, async_policy.STOP, src=1, group=publish)
+            tcss.publish(iter(weights), 1, step + 1, src=1, group=publish)
+        tcss.publish([], 0, tcss.STOP, src=1, group=publish)
         return "trainer done"
 
     calls = {"send": 0, "publish": 0}
-    send, receive = gap.send_fragment, async_policy.Mailbox._receive_buckets
+    send, receive = gap.send_fragment, tcss.Mailbox._receive_buckets
 
     def failing_send(fragment, dst, group=None):  # the sender thread's send of the fault's fragment raises
         calls["send"] += 1
@@ -73,15 +73,15 @@ def _worker(rank, world, store, fault, use_async, fragment_groups, groups_per_st
             raise ConnectionResetError("injected: the publish stream broke")
         return receive(self)
 
-    gap.send_fragment, async_policy.Mailbox._receive_buckets = failing_send, failing_receive
+    gap.send_fragment, tcss.Mailbox._receive_buckets = failing_send, failing_receive
     params = [torch.zeros(4)]
     tracer = Tracer(0, "rollout")
     rollout.run_rollout_rank(
         rank=0, steps=range(STEPS), queue=queue, fragment_groups=fragment_groups,
         generate=lambda step, first, count, version, producer: _fragment(step, first, count, version, producer),
-        mailbox=async_policy.Mailbox(1, publish, like=params), params=params, sender=rollout.Sender(data, tracer),
+        mailbox=tcss.Mailbox(1, publish, like=params), params=params, sender=rollout.Sender(data, tracer),
         destination_of=lambda seq: 1, tracer=tracer, report_generation_s=lambda s, g: None,
-        stale_budget=async_policy.StaleBudget(dist.PrefixStore("stale", store), 1) if use_async else None)
+        stale_budget=tcss.StaleBudget(dist.PrefixStore("stale", store), 1) if use_async else None)
     return "rollout finished although its thread failed"
 
 

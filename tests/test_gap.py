@@ -1,11 +1,11 @@
 """gap.py: a Fragment round-trips through send/recv and broadcast bit-exactly; concurrent claims are unique.
-async_policy.py, in the same three processes: published weights reach the rollout's model (Mailbox.swap_into),
+tcss.py, in the same three processes: published weights reach the rollout's model (Mailbox.swap_into),
 in the rollout's dtype, newest version first (catches a mailbox that reports a version it never copied in)."""
 import pytest
 import torch
 import torch.distributed as dist
 
-import async_policy
+import tcss
 import dist_harness
 import gap
 
@@ -53,13 +53,13 @@ def _worker(rank, world, store):
                      torch.tensor(v + 0.25)] for v in (1, 2)}
     if rank == 2:
         for version in (1, 2):
-            async_policy.publish(iter(published[version]), 4, version, src=2, group=dist.group.WORLD,
+            tcss.publish(iter(published[version]), 4, version, src=2, group=dist.group.WORLD,
                                  dtypes=[torch.float32, torch.bfloat16, torch.float32, torch.float32],
                                  bucket_bytes=20)
-        async_policy.publish([], 0, async_policy.STOP, src=2, group=dist.group.WORLD)
+        tcss.publish([], 0, tcss.STOP, src=2, group=dist.group.WORLD)
     else:
         params = [torch.zeros(3), torch.zeros(2, 2, dtype=torch.bfloat16), torch.zeros(10), torch.zeros(())]
-        mailbox = async_policy.Mailbox(src=2, group=dist.group.WORLD, like=params, bucket_bytes=20)
+        mailbox = tcss.Mailbox(src=2, group=dist.group.WORLD, like=params, bucket_bytes=20)
         mailbox.wait_for(2)
         assert mailbox.swap_into(params) == 2 == mailbox.held_version
         mailbox.join()
@@ -79,10 +79,10 @@ def test_publish_packs_small_tensors_into_buckets_and_the_mailbox_cuts_them_the_
     """One broadcast per bucket, not per tensor (a 66-tensor model paid 66 round trips per publish), and
     the receiving side's views hold exactly the published values."""
     sent = []
-    monkeypatch.setattr(async_policy.dist, "broadcast", lambda t, src, group: sent.append(t.clone()))
+    monkeypatch.setattr(tcss.dist, "broadcast", lambda t, src, group: sent.append(t.clone()))
     weights = [torch.full((2,), 1.0), torch.full((3,), 2.0), torch.full((2,), 3.0, dtype=torch.bfloat16),
                torch.full((9,), 4.0), torch.full((1,), 5.0), torch.full((1,), 6.0)]
-    async_policy.publish(iter(weights), 6, 3, src=0, group=None, bucket_bytes=24)
+    tcss.publish(iter(weights), 6, 3, src=0, group=None, bucket_bytes=24)
     assert [t.tolist() for t in sent[:1]] == [[3, 6]]  # the header: version, count
     assert [(t.dtype, t.numel()) for t in sent[1:]] == [
         (torch.float32, 5),  # 8 + 12 bytes fit in 24
@@ -90,8 +90,8 @@ def test_publish_packs_small_tensors_into_buckets_and_the_mailbox_cuts_them_the_
         (torch.float32, 9),  # 36 bytes > 24: alone
         (torch.float32, 2)]  # the last two
     received = iter(sent[1:])
-    monkeypatch.setattr(async_policy.dist, "broadcast", lambda t, src, group: t.copy_(next(received)))
-    mailbox = async_policy.Mailbox.__new__(async_policy.Mailbox)  # no thread: only the cutting is under test
+    monkeypatch.setattr(tcss.dist, "broadcast", lambda t, src, group: t.copy_(next(received)))
+    mailbox = tcss.Mailbox.__new__(tcss.Mailbox)  # no thread: only the cutting is under test
     mailbox.src, mailbox.group, mailbox.bucket_bytes = 0, None, 24
     mailbox.shapes = [(w.shape, w.dtype) for w in weights]
     got = mailbox._receive_buckets()

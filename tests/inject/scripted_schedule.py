@@ -20,14 +20,14 @@ Needs one rollout rank (R = 1) and, with --async, --max-stale-fragments >= 1.
 import os
 import time
 
-import async_policy
+import tcss
 import tag
 
 GEN_ROLLOUT_S, GEN_TRAINER_S, TRAIN_S, PUBLISH_S = 0.5, 0.1, 0.01, 0.05
 NO_AHEAD = {int(s) for s in os.environ.get("DIGENRL_SCRIPTED_NO_AHEAD", "").split(",") if s.strip()}
 _tcss = {"on": False}  # whether this process runs with --async (it builds a StaleBudget)
 
-_budget_init, _budget_take = async_policy.StaleBudget.__init__, async_policy.StaleBudget.take
+_budget_init, _budget_take = tcss.StaleBudget.__init__, tcss.StaleBudget.take
 _consider = tag.Assistant.consider
 
 
@@ -53,5 +53,5 @@ def _scripted_consider(self, step, groups_done, before_publish=False):
     return _consider(self, step, groups_done, before_publish)
 
 
-async_policy.StaleBudget.__init__, async_policy.StaleBudget.take = _init, _take
+tcss.StaleBudget.__init__, tcss.StaleBudget.take = _init, _take
 tag.Assistant.consider = _scripted_consider
