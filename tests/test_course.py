@@ -226,7 +226,7 @@ def test_blank_restore_round_trip_refusals_and_your_version_kept(project):
     assert course.blank(["tsp.py:tsp_packs", "tag.py:predict_step_end", "tag.py:Assistant.forget"]) == ["tsp.py",
                                                                                                           "tag.py"]
     stub = (project / "tag.py").read_text()
-    assert stub.count("raise NotImplementedError") == 2 and "def should_assist" in stub
+    assert stub.count("raise NotImplementedError") == 2 and "def assist_groups" in stub
     assert '"""Seconds from now until the trainer group' in stub  # the docstring stays
     spec = importlib.util.spec_from_file_location("blanked_tsp", project / "tsp.py")
     blanked = importlib.util.module_from_spec(spec)

@@ -211,7 +211,7 @@ def test_concat_and_to_keep_group_order_and_every_header_field():
     # (step, first_group, policy_version, producer, group_size): a swapped field would mislabel the version
     header = (whole.step, whole.first_group, whole.policy_version, whole.producer, whole.group_size)
     assert header == (9, 3, 7, -2, 2)
-    assert whole.to("cpu")._ints() == whole._ints() == list(header)
+    assert whole.to("cpu").ints() == whole.ints() == list(header)
     assert whole.num_groups == 4
     assert whole.rewards.tolist() == list(range(6, 14)) and whole.cond["e"][:, 0].tolist() == list(range(6, 14))
     assert whole.latents[:, 0, 0].tolist() == list(range(6, 14))
@@ -240,7 +240,7 @@ def test_dealt_fragments_give_each_announcement_to_exactly_one_trainer():
 
 # --- TSP: the lockstep protocol; TAG: assisted generation ------------------------------------------------
 def test_lockstep_trains_each_announced_fragment_once_and_counts_groups():
-    commands = [(tsp.TRAIN, 0, 0), (tsp.GENERATE, 4, 1), (tsp.TRAIN, 1, 0), (tsp.TRAIN, 2, 0)]
+    commands = [(tsp.TRAIN, 0, 0), (tsp.PRODUCE, 4, 1), (tsp.TRAIN, 1, 0), (tsp.TRAIN, 2, 0)]
     asked = []
 
     def next_command(next_seq, groups_done):
@@ -250,12 +250,12 @@ def test_lockstep_trains_each_announced_fragment_once_and_counts_groups():
     announced = {0: _numbered_fragment(0, 2), 1: _numbered_fragment(2, 2), 2: _numbered_fragment(5, 1)}
     got = list(tsp.lockstep_fragments(6, True, next_command, share_command=lambda c: c,
                                       receive=announced.__getitem__, share_fragment=lambda f: f,
-                                      generate=lambda a, b: _numbered_fragment(a, b)))
+                                      produce=lambda a, b: _numbered_fragment(a, b)))
     assert [f.first_group for f in got] == [0, 4, 2, 5]  # each announced fragment once, TAG's groups in between
     assert asked == [(0, 0), (1, 2), (1, 3), (2, 5)]  # the leader is asked with the next sequence and groups done
     # a non-leader follows the leader's commands and never receives from the rollout itself
     follower = tsp.lockstep_fragments(6, False, None, share_command=lambda c: commands[0], receive=None,
-                                      share_fragment=lambda f: announced[0], generate=None)
+                                      share_fragment=lambda f: announced[0], produce=None)
     assert next(follower) is announced[0]
 
 
