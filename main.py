@@ -1,23 +1,21 @@
-"""digenrl: disaggregated Flow-GRPO for diffusion / flow-matching generators. The CLI and the wiring.
+"""digenrl: disaggregated Flow-GRPO for diffusion / flow-matching models. The CLI and the wiring.
 
-    python main.py --model flux                      # tiny FLUX, colour task, DigenRL mode on 2 CPU ranks
-    python main.py --mode colocated --nproc 2        # the colocated baseline
-    python main.py --mode naive                      # disaggregated with the full-batch barrier
+    python main.py --model flux                # tiny FLUX, colour task, DigenRL mode on 2 CPU ranks
+    python main.py --mode colocated --nproc 2  # the colocated baseline
+    python main.py --mode naive                # disaggregated with the full-batch barrier
     torchrun --nproc_per_node=8 main.py --pretrained /models/FLUX.1-dev --rollout-ranks 4 ...
 
-Started as one process it spawns --nproc ranks itself (infra/launch.py watches them: if one dies or goes
-silent, all stop and the exit message names the rank and its role); under torchrun each process is a rank.
-Every input is validated before any rank starts. `run_rank` below is one rank, top to bottom: the job
-(infra/runtime.py), the process groups (comm.py), the policy, then its loop with the mechanisms plugged in,
-one line each: GAP (gap.rollout_loop, gap.trainer_loop), TSP (tsp.lockstep_fragments, tsp.trainer_packs),
-TAG (tag.Assistant, TSP's strategy) and TCSS (tcss.RolloutWeights, tcss.Publisher). transport.py carries
-their data; wiring.py wraps it in tracing spans. See config.py for every option.
+Started as one process it spawns --nproc ranks (infra/launch.py watches them); under torchrun each
+process is a rank. `run_rank` is one rank, top to bottom: the job (infra/runtime.py), the groups
+(comm.py), the policy, then its loop with each mechanism plugged in on one line: GAP
+(gap.rollout_loop, gap.trainer_loop), TSP (tsp.trainer_packs, tsp.lockstep_fragments in wiring.py),
+TAG (tag.Assistant, TSP's strategy) and TCSS (tcss.RolloutWeights, tcss.Publisher). transport.py
+carries their data; wiring.py wraps it in tracing spans. config.py lists every option.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import sys
 from collections.abc import Callable
 from typing import ContextManager
@@ -28,7 +26,6 @@ import comm
 import config as config_lib
 import gap
 import models
-import presets
 import rewards
 import rollout
 import tag
@@ -36,7 +33,8 @@ import tcss
 import transport
 import tsp
 import wiring
-from infra import bookkeeping, cli, emulate, lifeline, rundir, runtime
+from infra import bookkeeping, cli, emulate, rundir, runtime
+from infra.cli import prepare  # noqa: F401  (main.prepare: parse, resolve and validate)
 from infra.launch import launch
 from infra.preemption import EXIT_PREEMPTED, Preempted
 from infra.prompts import PromptSource
@@ -58,18 +56,18 @@ class Rank:
     sampling: rollout.SamplingConfig
     queue: gap.FragmentQueue | None  # GAP's claims and announcements (None on one rank)
     steps: range
-    pace: Callable[[], ContextManager]  # --rank-speed (infra/emulate.py, benchmark only); else a no-op
+    pace: Callable[[], ContextManager]  # --rank-speed (infra/emulate.py, benchmarks); else no-op
 
-    def generate(self, step: int, first: int, count: int, version: int, producer: int) -> gap.Fragment:
-        """Groups [first, first + count) of step `step`: the one generation path of every producer."""
+    def generate(self, step: int, first: int, count: int, version: int, producer: int):
+        """Groups [first, first + count) of step `step`: every producer's one generation path."""
         c = self.cfg
-        spec = gap.fragment_spec(c.seed, step, first, count, len(self.source.train), c.prompts_per_step,
-                                 c.group_size, shared_group_noise=(c.algo == "dance_grpo"))
+        spec = gap.fragment_spec(c.seed, step, first, count, len(self.source.train),
+                                 c.prompts_per_step, c.group_size, c.algo == "dance_grpo")
         kind = "tag" if producer == tag.TAG_PRODUCER else "generate"
-        with self.tracer.span(kind, step=step, first_group=first, version=version, samples=len(spec.prompt_ids)):
-            with self.pace():
-                fragment = rollout.generate_fragment(self.policy, spec, self.source.train, self.sampling,
-                                                     self.score, version, producer)
+        with self.tracer.span(kind, step=step, first_group=first, version=version,
+                              samples=len(spec.prompt_ids)), self.pace():
+            fragment = rollout.generate_fragment(self.policy, spec, self.source.train,
+                                                 self.sampling, self.score, version, producer)
         self.job.progress.bump(step)
         return fragment
 
@@ -84,28 +82,32 @@ class Rank:
 
 def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple, agent_store: bool,
              report_silent=None) -> int:
-    """One rank: the job, groups, the policy, the rollout or trainer loop, shutdown. Returns 0, or EXIT_PREEMPTED
-    after a stop on SIGTERM (a rank of a larger job exits with it: infra/preemption.py)."""
+    """One rank: the job, groups, policy, its loop, shutdown. Returns 0, or EXIT_PREEMPTED after
+    a stop on SIGTERM (infra/preemption.py)."""
     cfg = cfg if isinstance(cfg, config_lib.Config) else config_lib.from_dict(cfg)
     torch.set_num_threads(cfg.threads)
     device, dtype = runtime.device_of(cfg, local_rank)
     roles = [comm.role_of(cfg.placement, cfg.rollout_ranks, r, world) for r in range(world)]
-    runtime.name_process(f"dg{rank}-{roles[rank]}")  # what ps/top (and tools/soak.py) show for this rank
-    job = runtime.connect(cfg, rank, world, local_rank, master, agent_store, report_silent, device, roles)
+    runtime.name_process(f"dg{rank}-{roles[rank]}")  # what ps/top (and tools/soak.py) show
+    job = runtime.connect(cfg, rank, world, local_rank, master, agent_store, report_silent,
+                          device, roles)
     groups = comm.build_groups(rank, world, cfg.placement, cfg.rollout_ranks)
     tracer = Tracer(rank, groups.role, enabled=cfg.trace, progress=job.progress)
     tracer.align(groups.world_data)
     policy = runtime.load_policy(cfg, device, dtype, groups, job.progress)
-    source = config_lib.prompt_source(cfg)  # train prompts, held-out eval prompts, their metadata
-    reward_fn = rewards.build_reward(cfg.reward, config_lib.reward_options(cfg), config_lib.reward_probe(cfg, source))
-    reward_fn.prompt_metadata = source.train_metadata  # generation passes prompt ids; the reward looks rows up
+    source = config_lib.prompt_source(cfg)  # train and held-out prompts, their metadata
+    reward_fn = rewards.build_reward(cfg.reward, config_lib.reward_options(cfg),
+                                     config_lib.reward_probe(cfg, source))
+    reward_fn.prompt_metadata = source.train_metadata  # generation passes prompt ids
     runtime.freeze_heap()
     first = rundir.checkpoint_step(rundir.check_resume(cfg.resume, cfg)) if cfg.resume else 0
     sampling = rollout.SamplingConfig(num_steps=cfg.num_steps, noise_level=cfg.noise_level,
-                                      timestep_fraction=cfg.timestep_fraction, algo=cfg.algo, adv_clip=cfg.adv_clip)
-    queue = gap.FragmentQueue(job.prefixed("queue"), cfg.prompts_per_step) if job.store is not None else None
+                                      timestep_fraction=cfg.timestep_fraction, algo=cfg.algo,
+                                      adv_clip=cfg.adv_clip)
+    queue = gap.FragmentQueue(job.prefixed("queue"), cfg.prompts_per_step) if job.store else None
     pace = functools.partial(emulate.paced, emulate.speed_of(cfg.rank_speed, rank))
-    r = Rank(cfg, groups, job, tracer, policy, reward_fn, source, sampling, queue, range(first, cfg.steps), pace)
+    r = Rank(cfg, groups, job, tracer, policy, reward_fn, source, sampling, queue,
+             range(first, cfg.steps), pace)
     try:
         run_dir = rollout_rank(r) if groups.role == "rollout" else trainer_rank(r)
     except Preempted:  # the trainers agreed to stop; the leader's checkpoint is on disk
@@ -123,60 +125,62 @@ def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple, agent_s
 
 
 def rollout_rank(r: Rank) -> None:
-    """A rollout rank: GAP streams its fragments; TCSS swaps weights between them and may generate ahead."""
+    """A rollout rank: GAP streams its fragments; TCSS swaps weights between them, runs ahead."""
     cfg, groups = r.cfg, r.groups
-    params = [p for p in r.policy.transformer.parameters() if p.requires_grad]  # what the leader publishes
+    params = [p for p in r.policy.transformer.parameters() if p.requires_grad]  # published ones
     sender = transport.FragmentSender(wiring.Send(r.tracer, groups.world_data))
     receive = functools.partial(transport.receive_weights, groups.leader, groups.publish,
                                 [(p.shape, p.dtype) for p in params])
-    budget = tcss.StaleBudget(r.job.prefixed("stale"), cfg.max_stale_fragments) if cfg.use_async else None
-    weights = tcss.RolloutWeights(tcss.Mailbox(receive), params, budget, sender.raise_if_failed, r.tracer,
-                                  forgets=groups.rank == groups.rollout_ranks[0])  # TCSS
-    times = tag.RolloutTimes(r.job.prefixed("timing"), groups.rollout_ranks, cfg.fragment_groups)  # for TAG
+    budget = tcss.StaleBudget(r.job.prefixed("stale"), cfg.max_stale_fragments)
+    weights = tcss.RolloutWeights(tcss.Mailbox(receive), params, budget if cfg.use_async else None,
+                                  sender.raise_if_failed, r.tracer, groups.rank == 0)  # TCSS
+    times = tag.RolloutTimes(r.job.prefixed("timing"), groups.rollout_ranks, cfg.fragment_groups)
+    generate = wiring.TimedGenerate(r.generate, groups.rank, times)  # TAG's predictor reads times
     r.job.progress.start()
-    gap.rollout_loop(rank=groups.rank, steps=r.steps, queue=r.queue, fragment_groups=cfg.fragment_groups,
-                     generate=wiring.TimedGenerate(r.generate, groups.rank, times), send=sender.put,
-                     destination_of=functools.partial(wiring.destination, groups, cfg.tsp), weights=weights)  # GAP
+    gap.rollout_loop(rank=groups.rank, steps=r.steps, queue=r.queue, generate=generate,
+                     fragment_groups=cfg.fragment_groups, send=sender.put, weights=weights,
+                     destination_of=functools.partial(wiring.destination, groups, cfg.tsp))  # GAP
     sender.close()
     weights.close()
 
 
 def trainer_rank(r: Rank):
-    """A trainer rank (disaggregated) or a colocated rank: the trainer, the mechanisms plugged in, the loop."""
+    """A trainer rank (disaggregated) or a colocated rank: the trainer, the mechanisms, the loop."""
     cfg, groups, leader = r.cfg, r.groups, r.groups.is_leader
     if cfg.fsdp:
         shard_for_fsdp(r.policy, groups.compute, keep_reference=cfg.beta > 0 and not cfg.lora)
-    trainer = Trainer(r.policy, TrainConfig.of(cfg), compute_group=groups.compute, data_group=groups.trainer_data,
-                      sharded=cfg.fsdp, progress=r.job.progress)
+    trainer = Trainer(r.policy, TrainConfig.of(cfg), compute_group=groups.compute,
+                      data_group=groups.trainer_data, sharded=cfg.fsdp, progress=r.job.progress)
     if cfg.resume:
         bookkeeping.resume(trainer, cfg)
     r.job.progress.start()  # from here on this rank reports progress (loading a checkpoint did not)
     books = bookkeeping.Bookkeeping(cfg, r.steps, trainer, r.policy, r.source, r.sampling, r.score,
                                     r.reward_fn.names, r.tracer, r.job, leader)
     books.evaluate_initial()
-    assistant = wiring.assistant(cfg, groups, r.queue, r.job.prefixed("timing")) if cfg.tag and leader else None  # TAG
-    publisher = tcss.Publisher(trainer.iter_full_weights, len(trainer.params),
-                               functools.partial(wiring.publish, groups, None if cfg.lora else r.policy.dtype),
-                               sends=leader, gathers=cfg.fsdp, tracer=r.tracer,
+    assistant = wiring.assistant(cfg, groups, r.queue, r.job) if cfg.tag and leader else None  # TAG
+    send = functools.partial(wiring.publish, groups, None if cfg.lora else r.policy.dtype)
+    publisher = tcss.Publisher(trainer.iter_full_weights, len(trainer.params), send, sends=leader,
+                               gathers=cfg.fsdp, tracer=r.tracer,
                                on_published=assistant.published if assistant else None)  # TCSS
-    total_pairs = gap.total_pairs(cfg.prompts_per_step, cfg.group_size, rollout.num_train_timesteps(r.sampling))
-    pairs_of = functools.partial(tsp.trainer_packs, rank=groups.trainer_index, world=groups.num_trainers,
-                                 pack=cfg.tsp_pack, spread=cfg.tsp)  # TSP: this trainer's share, packed
-    train = functools.partial(train_fragment, trainer, pairs_of=pairs_of, total_pairs=total_pairs,
-                              count=leader or not cfg.tsp, async_on=cfg.use_async, reward_names=r.reward_fn.names,
-                              tracer=r.tracer, on_trained=assistant.trained if assistant else None, pace=r.pace)
+    t_train = rollout.num_train_timesteps(r.sampling)
+    pairs_of = functools.partial(tsp.trainer_packs, rank=groups.trainer_index, pack=cfg.tsp_pack,
+                                 world=groups.num_trainers, spread=cfg.tsp)  # TSP: my share, packed
+    train = functools.partial(
+        train_fragment, trainer, pairs_of=pairs_of, count=leader or not cfg.tsp,
+        total_pairs=gap.total_pairs(cfg.prompts_per_step, cfg.group_size, t_train),  # 1/(N T_train)
+        async_on=cfg.use_async, reward_names=r.reward_fn.names, tracer=r.tracer, pace=r.pace,
+        on_trained=assistant.trained if assistant else None)
     fragments = wiring.TrainerFragments(cfg, groups, r.queue, r.tracer, r.job.progress, r.generate,
-                                        trainer.current_version, assistant)
-    side = gap.TrainerSide(fragments_of=fragments, train=train, optimizer_step=books.optimizer_step,
-                           version=trainer.current_version, publish=publisher.publish, end_step=books.end_step,
+                                        trainer.current_version, assistant)  # dealt, or TSP's
+    side = gap.TrainerSide(fragments_of=fragments, train=train, version=trainer.current_version,
+                           optimizer_step=books.optimizer_step, publish=publisher.publish,
+                           end_step=books.end_step,
                            before_publish=assistant.before_publish if assistant else gap.nothing)
-    if leader and r.queue is not None:
-        books.forgetting(r.queue.forget_old)
-    if assistant is not None:
-        books.forgetting(assistant.forget)
+    books.forgetting(r.queue.forget_old if leader and r.queue else gap.nothing,
+                     assistant.forget if assistant else gap.nothing)
     if groups.role == "colocated":
-        claims = functools.partial(gap.static_claims, cfg.prompts_per_step, cfg.fragment_groups, groups.rank,
-                                   groups.world)
+        claims = functools.partial(gap.static_claims, cfg.prompts_per_step, cfg.fragment_groups,
+                                   groups.rank, groups.world)
         gap.colocated_loop(side, r.steps, claims, r.generate_own)
     else:
         gap.trainer_loop(side, r.steps, streaming=cfg.gap)  # GAP
@@ -184,52 +188,9 @@ def trainer_rank(r: Rank):
     return books.close()
 
 
-# --- launching ---------------------------------------------------------------------------------
-def prepare(argv=None) -> config_lib.Config:
-    """Parse, resolve and validate; raises ValueError/FileNotFoundError with a clear message on bad input."""
-    parsed = config_lib.parse_args(argv)
-    world = int(os.environ.get("WORLD_SIZE", parsed.nproc))
-    cfg = config_lib.resolve(parsed, world=world)
-    if cfg.placement == "disaggregated" and world < 2:  # asked for explicitly (the default falls back to colocated)
-        raise ValueError(cli.needs_two_ranks(argv, world))
-    config_lib.validate(cfg, world)
-    if world == 1 and parsed.mode is None and parsed.placement is None:  # the default mode, on one rank
-        print(cli.ONE_RANK, file=sys.stderr, flush=True)
-    if cfg.run_name is None and cfg.resume is None:
-        cfg.run_name = config_lib.default_run_name(cfg)
-    return cfg
-
-
 def main(argv=None) -> int:
-    torchrun = "RANK" in os.environ
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        lifeline.die_with_parent()  # a rank of torchrun dies with its agent (a SIGKILLed torchrun leaves none)
-    try:
-        cfg = prepare(argv)
-        world = int(os.environ["WORLD_SIZE"]) if torchrun else cfg.nproc
-        rank = int(os.environ["RANK"]) if torchrun else 0
-        print(f"[digenrl] {presets.describe(cfg)}", flush=True)
-        if cfg.dry_run:  # before the lock: a dry run writes nothing
-            print(f"[digenrl] dry run, nothing started; config {config_lib.to_json(cfg)}", flush=True)
-            return 0
-        lock = cli.lock_run_dir(cfg) if rank == cli.leader_rank(cfg, world) or not torchrun else None
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    try:
-        if cfg.pretrained is None:  # build the tiny pipeline once, before ranks race for it
-            models.tiny_pipeline_path(cfg.model, cfg.cache_dir)
-        if torchrun:
-            return run_rank(cfg, rank, world, int(os.environ.get("LOCAL_RANK", 0)),
-                            (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
-                            agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
-        if cfg.nproc == 1:
-            return run_rank(cfg, 0, 1, 0, ("127.0.0.1", 0), agent_store=False)
-        role_of = functools.partial(comm.role_of, cfg.placement, cfg.rollout_ranks, world=cfg.nproc)
-        return launch(run_rank, dataclasses.asdict(cfg), cfg.nproc, threads=cfg.threads, role_of=role_of)
-    finally:
-        if lock is not None:
-            lock.release()
+    """The command line: validate, lock the run directory, run this process's rank(s)."""
+    return cli.main(argv, run_rank, launch)
 
 
 if __name__ == "__main__":

@@ -116,9 +116,9 @@ class TrainerFragments:
         return self.generate(step, first, count, self.version(), tag.TAG_PRODUCER)
 
 
-def assistant(cfg, groups: comm.Groups, queue: gap.FragmentQueue, timing_store) -> tag.Assistant:
+def assistant(cfg, groups: comm.Groups, queue: gap.FragmentQueue, job) -> tag.Assistant:
     """TAG on the trainer leader: the queue's claims and counts, the rollout ranks' reported times."""
-    times = tag.RolloutTimes(timing_store, groups.rollout_ranks, cfg.fragment_groups)
+    times = tag.RolloutTimes(job.prefixed("timing"), groups.rollout_ranks, cfg.fragment_groups)
     return tag.Assistant(cfg.prompts_per_step, cfg.fragment_groups, len(groups.rollout_ranks), groups.num_trainers,
                          quantum=groups.num_trainers if cfg.fsdp else 1, claim=queue.claim,
                          claimed=queue.num_claimed, announced_groups=queue.num_announced_groups,
