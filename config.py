@@ -83,7 +83,7 @@ class Config:
     tag: Optional[bool] = field(None, "TAG: an idle trainer generates fragments itself when the predictor says "
                                 "the step ends sooner")
     use_async: Optional[bool] = field(None, "TCSS: rollout may generate the next batch with weights one version "
-                                      "old", flag="async")
+                                      "old (--async is accepted too)", flag="tcss", aliases=("async",))
     max_stale_fragments: Optional[int] = field(None, "j: at most this many fragments per step generated one "
                                                "version stale (TCSS); unset = one per rollout rank. Larger hides "
                                                "more of the weight round trip, but more of each batch is trained "
@@ -210,14 +210,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(description="digenrl: disaggregated Flow-GRPO for diffusion models",
                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Config):
-        flag = "--" + f.metadata.get("flag", f.name).replace("_", "-")
+        flags = ["--" + name.replace("_", "-") for name in (f.metadata.get("flag", f.name),
+                                                               *f.metadata.get("aliases", ()))]
         kind = f.type if isinstance(f.type, str) else f.type.__name__
         if kind in ("bool", "Optional[bool]"):
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
                                 help=f.metadata["help"])
         else:
             caster = {"int": int, "Optional[int]": int, "float": float, "Optional[float]": float}.get(kind, str)
-            parser.add_argument(flag, dest=f.name, type=caster, default=f.default, help=f.metadata["help"])
+            parser.add_argument(*flags, dest=f.name, type=caster, default=f.default, help=f.metadata["help"])
     return parser
 
 
@@ -429,7 +430,7 @@ def _check_placement(c: Config, world_size: int) -> None:
             _bad(f"--rollout-ranks {c.rollout_ranks} must be between 1 and {world_size - 1} for {world_size} ranks "
                  "(at least one rank must train)")
     elif any((c.gap, c.tsp, c.tag, c.use_async)):
-        _bad("--gap, --tsp, --tag and --async need --placement disaggregated (colocated ranks do both jobs)")
+        _bad("--gap, --tsp, --tag and --tcss need --placement disaggregated (colocated ranks do both jobs)")
     if c.fsdp and not c.tsp:
         _bad("--fsdp needs --tsp: FSDP requires every trainer to run the same number of passes, which only TSP "
              "guarantees")

@@ -18,7 +18,8 @@ in float32): every (sample, timestep) pair carries weight 1/(N T_train) and grad
 Departures from the paper: claiming is pull-based through the store (the paper schedules centrally);
 advantages are normalised per group so that a fragment is self-contained.
 
-Try it: `python main.py --placement disaggregated --gap` (or `--mode digenrl`); without `--gap` the
+Try it: `python3 gap.py` (alone, fake ranks: fragments trained as they arrive); in a run,
+`python main.py --placement disaggregated --gap` (or `--mode digenrl`); without `--gap` the
 trainer receives the whole batch before training (`--mode naive`).
 Only torch and the standard library are imported: this file can be copied into another codebase.
 """

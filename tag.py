@@ -28,7 +28,8 @@ group anyway and drops it (`assisted_generation(lockstep=True)`).
 Departures from the paper: claims are whole groups (the unit of a fragment), not single samples;
 in-flight fragments are assumed half done (ranks do not report progress).
 
-Try it: `python main.py --placement disaggregated --gap --tsp --tag` (logs `tag_fragments` per step).
+Try it: `python3 tag.py` (alone, fake ranks: a TAG claim); in a run,
+`python main.py --placement disaggregated --gap --tsp --tag` (logs `tag_fragments` per step).
 Only the standard library and torch are imported: this file can be copied into another codebase.
 """
 from __future__ import annotations

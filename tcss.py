@@ -21,7 +21,8 @@ Departures from the paper: the stale budget j is per step and global (an atomic 
 stale fragments are trained with the PPO ratio against the recorded behaviour log-probs, on-policy
 ones with the detached current log-prob (ratio exactly 1).
 
-Try it: `python main.py --placement disaggregated --gap --tsp --async --max-stale-fragments 1`.
+Try it: `python3 tcss.py` (alone: a fragment generated ahead, its PPO ratio); in a run,
+`python main.py --placement disaggregated --gap --tsp --tcss --max-stale-fragments 1`.
 Only torch and the standard library are imported: this file can be copied into another codebase.
 """
 from __future__ import annotations

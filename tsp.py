@@ -19,7 +19,8 @@ what the group does next (train the next announced fragment, or, with TAG, gener
 claimed), broadcasts that small command over the trainers' data group, and every trainer gets the
 same fragment (the leader receives it and broadcasts it), then trains its own share of its pairs.
 
-Try it: `python main.py --placement disaggregated --gap --tsp --tsp-pack 4`. Without `--tsp`, whole
+Try it: `python3 tsp.py` (alone, fake ranks: packs per trainer); in a run,
+`python main.py --placement disaggregated --gap --tsp --tsp-pack 4`. Without `--tsp`, whole
 fragments are dealt to trainers and trained with the per-timestep loop (`per_timestep_packs`).
 Only torch and the standard library are imported: this file can be copied into another codebase.
 """
