@@ -32,7 +32,7 @@ def field(default, help_text, **kw):
 @dataclasses.dataclass
 class Config:
     # what to train
-    model: Optional[str] = field(None, "model family: flux, qwenimage, wan, hunyuanvideo; unset = the family "
+    model: Optional[str] = field(None, "model family: flux, qwenimage, wan, hunyuanvideo, sd3; unset = the family "
                                  "--pretrained's model_index.json names, else flux")
     pretrained: Optional[str] = field(None, "local diffusers pipeline directory; unset = the tiny offline "
                                       "pipeline (built once into the cache)")
@@ -306,7 +306,7 @@ def resolve(cfg: Config, world: int | None = None) -> Config:
 
 
 PIPELINE_FAMILIES = {"FluxPipeline": "flux", "QwenImagePipeline": "qwenimage", "WanPipeline": "wan",
-                     "HunyuanVideoPipeline": "hunyuanvideo"}
+                     "HunyuanVideoPipeline": "hunyuanvideo", "StableDiffusion3Pipeline": "sd3"}
 
 
 def family_of_pipeline(path: str | None) -> str | None:
@@ -496,7 +496,9 @@ def reward_probe(c: Config, source):
 
 
 def to_json(c: Config) -> str:
-    return json.dumps(dataclasses.asdict(c), indent=1, sort_keys=True)
+    """config.json's text (infra/rundir.py owns the run directory's files; config imports infra, never back)."""
+    from infra import rundir
+    return rundir.to_json(c)
 
 
 def from_dict(d: dict) -> Config:
@@ -505,5 +507,6 @@ def from_dict(d: dict) -> Config:
 
 
 def default_run_name(c: Config) -> str:
-    import time
-    return f"{c.model}-{c.mode}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    """A new run's directory name (infra/rundir.py's, which names run directories)."""
+    from infra import rundir
+    return rundir.default_run_name(c)

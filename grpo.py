@@ -142,3 +142,75 @@ def kl_loss(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> to
     """
     dims = tuple(range(1, mean.ndim))
     return ((mean - ref_mean) ** 2).mean(dim=dims) / (2 * std.reshape(std.shape[0], -1)[:, 0] ** 2)
+
+
+# --- Flow-GRPO's advantage options (flow_grpo/stat_tracking.py PerPromptStatTracker, scripts/train_sd3.py) -----------
+# Pure functions over one batch's rewards; not wired into the trainer here. They need the whole batch's rewards (a
+# prompt's groups may sit in several fragments, and global_std pools every sample), so under GAP a fragment's
+# advantages are final only once the batch's last reward is in.
+def _prompt_index(prompt_keys, n: int) -> torch.Tensor:
+    """Prompt keys (a [N] integer tensor of prompt ids, or N hashable keys such as prompt strings) -> [N] long index
+    of each sample's prompt, 0 .. P-1 in order of first appearance."""
+    if isinstance(prompt_keys, torch.Tensor):
+        keys = prompt_keys.reshape(-1).tolist()
+    else:
+        keys = list(prompt_keys)
+    if len(keys) != n:
+        raise ValueError(f"{len(keys)} prompt keys for {n} rewards: give one prompt (id or text) per sample")
+    first = {}
+    return torch.tensor([first.setdefault(k, len(first)) for k in keys], dtype=torch.long)
+
+
+def _prompt_stats(rewards: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sample mean and population std (ddof 0) of the rewards of its prompt over the whole batch, float64 [N]."""
+    p = int(index.max()) + 1
+    count = torch.zeros(p, dtype=torch.float64).index_add_(0, index, torch.ones_like(rewards))  # [P]
+    mean = torch.zeros(p, dtype=torch.float64).index_add_(0, index, rewards) / count  # [P]
+    centred = rewards - mean[index]  # [N]
+    var = torch.zeros(p, dtype=torch.float64).index_add_(0, index, centred**2) / count  # [P]
+    return mean[index], var.sqrt()[index]
+
+
+def batch_advantages(rewards: torch.Tensor, prompt_keys=None, global_std: bool = False, per_prompt: bool = True,
+                     eps: float = 1e-4, std_floor: float = 0.0, clip: float | None = 5.0) -> torch.Tensor:
+    """Flow-GRPO's advantages over a whole batch -> float32 [N] (docs/DESIGN.md section 3).
+
+    per_prompt (config.per_prompt_stat_tracking): A_i = (r_i - mean_p) / (std + eps), mean_p over *every* sample of
+    prompt p in the batch (several groups of the same prompt pool together, as PerPromptStatTracker.update does,
+    cleared after each batch), std = that prompt's population std, or with global_std (config.sample.global_std,
+    on in Flow-GRPO's SD3 recipes) the std of all N rewards. Without per_prompt: (r - mean_all) / (std_all + eps)
+    (train_sd3.py's else-branch). std_floor (ours, 0 = Flow-GRPO's): the std is at least this, so a group whose
+    reward spread has collapsed to noise (std 0.007 on rewards of scale 1) is not blown up to unit advantages.
+    clip: Flow-GRPO clamps to +-train.adv_clip_max (5) in its training loop; None leaves them unclipped.
+    Statistics in float64, as Flow-GRPO's numpy code computes them.
+    rewards: [N]; prompt_keys: [N] prompt ids or N prompt texts (needed when per_prompt).
+    """
+    if rewards.ndim != 1 or rewards.numel() == 0:
+        raise ValueError(f"rewards of shape {tuple(rewards.shape)}: expected a non-empty [N] tensor")
+    if std_floor < 0 or eps < 0:
+        raise ValueError(f"std_floor {std_floor} and eps {eps} must be >= 0")
+    r = rewards.detach().to("cpu", torch.float64)
+    if per_prompt:
+        if prompt_keys is None:
+            raise ValueError("per-prompt advantages need the prompt of every sample (prompt_keys)")
+        mean, std = _prompt_stats(r, _prompt_index(prompt_keys, r.numel()))
+    else:
+        mean = r.mean().expand_as(r)
+    if global_std or not per_prompt:
+        std = r.std(unbiased=False).expand_as(r)  # np.std: ddof 0
+    adv = (r - mean) / (std.clamp(min=std_floor) + eps)
+    if clip is not None:
+        adv = adv.clamp(-clip, clip)
+    return adv.to(torch.float32)
+
+
+def collapsed_prompts(rewards: torch.Tensor, prompt_keys, min_std: float = 0.0) -> torch.Tensor:
+    """[N] bool: True for samples whose prompt's rewards over the batch have population std <= min_std (groups with
+    no learning signal; train them and normalised noise drives the update). Flow-GRPO (train_sd3.py) drops samples
+    whose advantages are all exactly zero, i.e. prompts whose rewards are all equal: min_std = 0. Drop the True
+    samples from training (their weight 0) to guard with a threshold; the metric of the fraction is their mean."""
+    if min_std < 0:
+        raise ValueError(f"min_std {min_std} must be >= 0")
+    r = rewards.detach().to("cpu", torch.float64).reshape(-1)
+    _, std = _prompt_stats(r, _prompt_index(prompt_keys, r.numel()))
+    return std <= min_std

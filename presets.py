@@ -13,9 +13,12 @@ values it borrows. A flag given on the command line always wins. The tiny pipeli
 on them (config.py's help strings say why).
 
 Departures, stated where they apply: resolution is the pipeline's native one (what `pipe(prompt)` draws), not
-the recipes' training resolution (Flow-GRPO trains FLUX and Qwen-Image at 512 px, Wan at 240 x 416);
+the recipes' training resolution (Flow-GRPO trains FLUX, Qwen-Image and SD3.5 at 512 px, Wan at 240 x 416);
 Flow-GRPO's Qwen-Image recipe trains a window of 2 SDE steps (sde_window_size 2) at noise level 1.2, while
-digenrl has no SDE window and trains the first int(T x timestep_fraction) steps.
+digenrl has no SDE window and trains the first int(T x timestep_fraction) steps. Flow-GRPO's SD3 scripts encode
+prompts with T5 at max_sequence_length 128 (scripts/train_sd3.py compute_text_embeddings), and SD3's joint attention
+sees the padding tokens, so the sequence length changes the velocity: --text-len 128 matches them (the default 512
+does not; text_len is not a preset field).
 """
 from __future__ import annotations
 
@@ -49,6 +52,7 @@ _NATIVE = {
     "qwenimage": _native(1024, 1024, "QwenImagePipeline default_sample_size 128 x vae_scale_factor 8:"),
     "wan": _native(480, 832, "WanPipeline height 480, width 832:"),
     "hunyuanvideo": _native(720, 1280, "HunyuanVideoPipeline height 720, width 1280:"),
+    "sd3": _native(1024, 1024, "StableDiffusion3Pipeline default_sample_size 128 x vae_scale_factor 8:"),
 }
 
 
@@ -83,6 +87,14 @@ _PUBLISHED = {
         guidance=(4.5, f"{FLOW_GRPO} general_ocr_wan2_1 sample.guidance_scale (true CFG)"),
         num_steps=(20, f"{FLOW_GRPO} general_ocr_wan2_1 sample.num_steps"),
         frames=(33, f"{FLOW_GRPO} general_ocr_wan2_1 frames")),
+    ("sd3", "flow_grpo"): _s(
+        lr=(3e-4, f"{FLOW_GRPO_BASE} train.learning_rate (pickscore_sd3 keeps it)"),
+        clip_range=(1e-4, f"{FLOW_GRPO_BASE} train.clip_range (pickscore_sd3 keeps it)"),
+        noise_level=(0.7, f"{FLOW_GRPO_BASE} sample.noise_level (pickscore_sd3 keeps it)"),
+        group_size=(24, f"{FLOW_GRPO} pickscore_sd3 sample.num_image_per_prompt"),
+        timestep_fraction=(0.99, f"{FLOW_GRPO} pickscore_sd3 train.timestep_fraction"),
+        guidance=(4.5, f"{FLOW_GRPO} pickscore_sd3 sample.guidance_scale (true CFG)"),
+        num_steps=(10, f"{FLOW_GRPO} pickscore_sd3 sample.num_steps")),
     # Flow-GRPO publishes no HunyuanVideo recipe: its base settings, DanceGRPO's HunyuanVideo batch shape.
     ("hunyuanvideo", "flow_grpo"): _s(
         lr=(3e-4, f"{FLOW_GRPO_BASE} train.learning_rate (no Flow-GRPO HunyuanVideo recipe)"),
@@ -115,11 +127,14 @@ def _borrowed(recipe: dict, note: str, guidance: Setting) -> dict:
     return {**{k: Setting(v.value, f"{v.source} ({note})") for k, v in recipe.items()}, "guidance": guidance}
 
 
-# DanceGRPO publishes no Qwen-Image or Wan recipe: the image family borrows its FLUX one, the video family its
+# DanceGRPO publishes no Qwen-Image, SD3 or Wan recipe: the image families borrow its FLUX one, the video family its
 # HunyuanVideo one; guidance stays the family's Flow-GRPO value (true CFG scales, not FLUX's embedded guidance).
 _PUBLISHED[("qwenimage", "dance_grpo")] = _borrowed(
     _PUBLISHED[("flux", "dance_grpo")], "no DanceGRPO Qwen-Image recipe: its FLUX one",
     Setting(4.0, f"{FLOW_GRPO} pickscore_qwenimage sample.guidance_scale (true CFG)"))
+_PUBLISHED[("sd3", "dance_grpo")] = _borrowed(
+    _PUBLISHED[("flux", "dance_grpo")], "no DanceGRPO SD3 recipe: its FLUX one",
+    Setting(4.5, f"{FLOW_GRPO} pickscore_sd3 sample.guidance_scale (true CFG)"))
 _PUBLISHED[("wan", "dance_grpo")] = _borrowed(
     _PUBLISHED[("hunyuanvideo", "dance_grpo")], "no DanceGRPO Wan recipe: its HunyuanVideo one",
     Setting(4.5, f"{FLOW_GRPO} general_ocr_wan2_1 sample.guidance_scale (true CFG)"))

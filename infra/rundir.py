@@ -382,14 +382,23 @@ def plot_reward_curves(runs: dict[str, list[dict]], path: str, eval_too: bool = 
     return legend
 
 
+def to_json(cfg) -> str:
+    """config.json's text: the resolved Config `cfg` (a dataclass), one field a line, sorted."""
+    return json.dumps(dataclasses.asdict(cfg), indent=1, sort_keys=True)
+
+
+def default_run_name(cfg) -> str:
+    """A new run's directory name when --run-name is not given: model, mode, start time, launcher pid."""
+    import time
+    return f"{cfg.model}-{cfg.mode}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+
+
 def open_run_dir(cfg, steps) -> RunDir:
     """The leader's run directory for Config `cfg` (resumed: drop the rows of steps to be redone); prints its
     path and the resolved config."""
-    import config as config_lib
-
-    run_path = cfg.resume or os.path.join(cfg.out_dir, cfg.run_name or config_lib.default_run_name(cfg))
+    run_path = cfg.resume or os.path.join(cfg.out_dir, cfg.run_name or default_run_name(cfg))
     wandb = dict(project=cfg.wandb_project, name=cfg.wandb_name, config=dataclasses.asdict(cfg)) if cfg.wandb else None
-    run_dir = RunDir(run_path, config_lib.to_json(cfg), cfg.tensorboard, cfg.keep_checkpoints, wandb)
+    run_dir = RunDir(run_path, to_json(cfg), cfg.tensorboard, cfg.keep_checkpoints, wandb)
     if cfg.resume:
         redone = sorted({r["step"] for r in run_dir.read_metrics() if r["step"] >= steps.start})
         run_dir.truncate_metrics(steps.start)

@@ -30,8 +30,9 @@ try:  # the other families live in their own files; they register here when pres
     from .qwenimage import QwenImageFamily
     from .wan import WanFamily
     from .hunyuanvideo import HunyuanVideoFamily
+    from .sd3 import SD3Family
 
-    FAMILIES.update(qwenimage=QwenImageFamily(), wan=WanFamily(), hunyuanvideo=HunyuanVideoFamily())
+    FAMILIES.update(qwenimage=QwenImageFamily(), wan=WanFamily(), hunyuanvideo=HunyuanVideoFamily(), sd3=SD3Family())
 except ImportError:
     pass
 

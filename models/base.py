@@ -1,6 +1,6 @@
 """The model-family interface: what the RL loop needs from a diffusers pipeline, and nothing more.
 
-A family (flux, qwenimage, wan, hunyuanvideo) is a small stateless object; `models.load` turns a
+A family (flux, qwenimage, wan, hunyuanvideo, sd3) is a small stateless object; `models.load` turns a
 directory into a `Policy` that rollout and trainer use. Adding a family = one file with a subclass
 of `Family` registered in models/__init__.py.
 """

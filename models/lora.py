@@ -51,6 +51,10 @@ FLOW_GRPO = {
     # only exist in image-to-video checkpoints. No feed-forward. r=32, alpha=64.
     "wan": Preset(("add_k_proj", "add_q_proj", "add_v_proj", "to_add_out", "to_k", "to_out.0", "to_q", "to_v"),
                   32, 64.0, "Flow-GRPO scripts/train_wan2_1.py"),
+    # Flow-GRPO scripts/train_sd3.py: the joint attention of both streams, no feed-forward and not SD3.5's second
+    # image self-attention (attn2); LoraConfig(r=32, lora_alpha=64, init_lora_weights="gaussian").
+    "sd3": Preset(("attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out", "attn.to_k",
+                   "attn.to_out.0", "attn.to_q", "attn.to_v"), 32, 64.0, "Flow-GRPO scripts/train_sd3.py"),
     # Neither Flow-GRPO nor DanceGRPO publishes a HunyuanVideo LoRA: DanceGRPO fine-tunes HunyuanVideo fully
     # (use --no-lora for that). HunyuanVideo's dual-stream blocks name their layers as FLUX's do, so we use
     # Flow-GRPO's FLUX list and r=64, alpha=128.

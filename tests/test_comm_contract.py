@@ -12,6 +12,7 @@ test checks from the run's metrics that both ran (a layout named for them that n
 """
 import json
 import os
+import sys
 
 import pytest
 
@@ -19,29 +20,8 @@ from conftest import ROOT, read_metrics, run_main
 
 pytestmark = pytest.mark.timeout(600)
 
-TORCH_INTERNALS = ("torch/distributed/fsdp/", "torch/distributed/tensor/", "torch/nn/utils/clip_grad")
-COMPUTE_CALLERS = {("trainer.py", "all_reduce_gradients")}  # the only project code allowed on the compute plane
-
-
-def violations(rows: list[dict], policy_device: str = "cpu") -> list[str]:
-    """Every broken rule, one line each (empty when the run kept the contract)."""
-    out = []
-    for row in rows:
-        where = f"rank {row['rank']} thread {row['thread']}: {row['op']} from {os.path.basename(row['file'])}:{row['function']}"
-        if row["plane"] == "compute":
-            if not row["main_thread"]:
-                out.append(f"{where}: a background thread on the compute plane")
-            if any(d.split(":")[0] != policy_device.split(":")[0] for d in row["devices"]):
-                out.append(f"{where}: tensors on {row['devices']} on the compute plane (policy device {policy_device})")
-            internal = any(part in row["file"].replace(os.sep, "/") for part in TORCH_INTERNALS)
-            if not internal and (os.path.basename(row["file"]), row["function"]) not in COMPUTE_CALLERS:
-                out.append(f"{where}: only the gradient all-reduce and FSDP may use the compute plane")
-        elif row["plane"] == "data":
-            if any(d != "cpu" for d in row["devices"]):
-                out.append(f"{where}: tensors on {row['devices']} on the data plane (CPU only)")
-        else:
-            out.append(f"{where}: a collective on the {row['plane']} group")
-    return out
+sys.path.insert(0, os.path.join(ROOT, "tests", "inject"))
+from comm_check import violations  # noqa: E402  (the rules, shared with tools/gpu_session.sh)
 
 
 LAYOUTS = {

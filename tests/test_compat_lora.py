@@ -20,7 +20,7 @@ import models
 from conftest import checkpoint_weights, read_metrics, run_main
 
 pytestmark = pytest.mark.timeout(600)
-FAMILIES = ["flux", "qwenimage", "wan", "hunyuanvideo"]
+FAMILIES = ["flux", "qwenimage", "wan", "hunyuanvideo", "sd3"]
 PROMPTS = ["a red image", "a blue image"]
 
 

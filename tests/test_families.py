@@ -1,4 +1,4 @@
-"""The Qwen-Image, Wan and HunyuanVideo families: tiny offline pipelines of the real diffusers classes,
+"""The Qwen-Image, Wan, HunyuanVideo and SD3.5 families: tiny offline pipelines of the real diffusers classes,
 loaded through `models.load`, and the RL-facing calls (encode, noise, sigmas, velocity, decode, LoRA, CFG),
 checked against the diffusers pipelines' own sampling loops."""
 import shutil
@@ -16,8 +16,9 @@ from rollout import SamplingConfig, generate_fragment
 
 pytestmark = pytest.mark.timeout(300)
 
-FAMILIES = ["qwenimage", "wan", "hunyuanvideo"]
-CFG_FAMILIES = ["qwenimage", "wan"]
+FAMILIES = ["qwenimage", "wan", "hunyuanvideo", "sd3"]
+CFG_FAMILIES = ["qwenimage", "wan", "sd3"]
+IMAGE_FAMILIES = ["qwenimage", "sd3"]
 PROMPTS = ["a red image", "a blue video of a cat"]
 
 
@@ -40,7 +41,7 @@ def test_family_flags():
     for name in FAMILIES:
         family = models.get_family(name)
         assert family.uses_true_cfg == (name in CFG_FAMILIES)
-        assert family.is_video == (name != "qwenimage")
+        assert family.is_video == (name not in IMAGE_FAMILIES)
         if family.is_video:
             assert (family.tiny_frames - 1) % 4 == 0  # the causal video VAEs compress time 4x after frame 0
 
@@ -63,7 +64,8 @@ def test_tiny_pipeline_calls(name, built):
     # Noise: deterministic from a CPU generator, in the transformer's layout.
     a, b = policy.noise(torch.Generator().manual_seed(0)), policy.noise(torch.Generator().manual_seed(0))
     assert torch.equal(a, b) and tuple(a.shape) == policy.latent_shape()
-    assert len(a.shape) == (4 if family.is_video else 2)  # [C, F', h, w] video, [tokens, 4C] packed image
+    # [C, F', h, w] video, [C, h, w] SD3 (the transformer patchifies), [tokens, 4C] packed image
+    assert len(a.shape) == (4 if family.is_video else 3 if name == "sd3" else 2)
 
     sigmas = policy.sigmas(4)
     assert sigmas.shape == (5,) and sigmas.dtype == torch.float32
@@ -94,10 +96,12 @@ def test_velocity_reproduces_the_pipelines_own_sampling(name, built):
                   output_type="latent", generator=torch.Generator().manual_seed(seed))
     if name == "qwenimage":
         kwargs.update(negative_prompt=[""], true_cfg_scale=policy.guidance, max_sequence_length=policy.max_sequence_length)
+    elif name == "sd3":  # true CFG with the "" negative prompt is the pipeline's default
+        kwargs.update(guidance_scale=policy.guidance, max_sequence_length=policy.max_sequence_length)
     else:
         kwargs.update(guidance_scale=policy.guidance, num_frames=policy.frames, max_sequence_length=policy.max_sequence_length)
     out = pipe(**kwargs)
-    target = out.images if name == "qwenimage" else out.frames  # latents [1, ...]
+    target = out.images if name in IMAGE_FAMILIES else out.frames  # latents [1, ...]
     schedule = pipe.scheduler.sigmas.clone().float()  # the schedule the pipeline just used
     if name != "wan":  # Wan's tiny FlowMatchEuler is left at its own default inside WanPipeline (see wan.sigmas)
         torch.testing.assert_close(policy.sigmas(steps), schedule)
@@ -108,8 +112,9 @@ def test_velocity_reproduces_the_pipelines_own_sampling(name, built):
     torch.testing.assert_close(x, target.float(), rtol=1e-4, atol=1e-4)
 
 
-def _flux_euler_and_pipeline(policy, prompt, steps, seed):
-    """(an Euler ODE loop over policy.velocity, FluxPipeline(output_type="latent")'s latents, its schedule)."""
+def euler_and_pipeline(policy, prompt, steps, seed):
+    """(an Euler ODE loop over policy.velocity, the family's diffusers pipeline's own latents (output_type="latent"),
+    the schedule it used): FluxPipeline's packed [1, tokens, 4C], StableDiffusion3Pipeline's [1, C, h, w]."""
     pipe = policy.pipe
     target = pipe(prompt=[prompt], height=policy.height, width=policy.width, num_inference_steps=steps,
                   guidance_scale=policy.guidance, max_sequence_length=policy.max_sequence_length, output_type="latent",
@@ -133,11 +138,11 @@ def test_flux_velocity_reproduces_flux_pipelines_own_sampling(tiny_cache, resolu
     grid, a schedule without the resolution-dependent shift, the pooled and sequence embeddings swapped."""
     steps, prompt, seed = 3, "a red image", 0
     policy = models.load("flux", models.tiny_pipeline_path("flux"), height=resolution)
-    torch.testing.assert_close(policy.sigmas(steps), _flux_euler_and_pipeline(policy, prompt, steps, seed)[2])
+    torch.testing.assert_close(policy.sigmas(steps), euler_and_pipeline(policy, prompt, steps, seed)[2])
     landed = {}
     for guidance in (3.5, 5.0):
         policy.guidance = guidance
-        x, target, _ = _flux_euler_and_pipeline(policy, prompt, steps, seed)
+        x, target, _ = euler_and_pipeline(policy, prompt, steps, seed)
         torch.testing.assert_close(x, target, rtol=1e-4, atol=1e-4)
         landed[guidance] = x
     assert float((landed[3.5] - landed[5.0]).abs().max()) > 1e-3  # the guidance scale changes where it lands
@@ -252,5 +257,5 @@ def test_missing_component_is_named(name, built, tmp_path):
 def test_unknown_model_lists_the_known_ones():
     with pytest.raises(ValueError) as err:
         models.get_family("nope")
-    for name in ("flux", "hunyuanvideo", "qwenimage", "wan"):
+    for name in ("flux", "hunyuanvideo", "qwenimage", "wan", "sd3"):
         assert name in str(err.value)

@@ -15,7 +15,7 @@ from conftest import checkpoint_weights, read_metrics, run_main, trainable_state
 
 pytestmark = pytest.mark.timeout(600)
 
-FAMILIES = ["flux", "qwenimage", "wan", "hunyuanvideo"]
+FAMILIES = ["flux", "qwenimage", "wan", "hunyuanvideo", "sd3"]
 # Small but real: 2 groups of 2 (a nonzero advantage needs 2 samples per group), 3 sampling steps (2 trained),
 # the families' tiny 32 px images / 5-frame videos. Rank 8, alpha 16: LoRA scale 2, so the scale is exercised.
 RL_STEP = ["--mode", "digenrl", "--nproc", "2", "--lora", "--lora-rank", "8", "--lora-alpha", "16", "--steps", "1",
@@ -106,7 +106,7 @@ def test_one_rl_step_trains_the_lora(name, trained):
 
 @pytest.mark.parametrize("name", FAMILIES)
 def test_rollout_and_training_batches_carry_true_cfg(name, tiny_cache):
-    """Qwen-Image and Wan: the rollout's and the trainer's transformer calls both hold [cond; "" uncond] rows
+    """Qwen-Image, Wan and SD3: the rollout's and the trainer's transformer calls both hold cond and "" uncond rows
     with the same guidance; FLUX and HunyuanVideo (guidance-distilled): one branch only."""
     import gap
     import rewards
@@ -136,11 +136,12 @@ def test_rollout_and_training_batches_carry_true_cfg(name, tiny_cache):
     branches = 2 if policy.family.uses_true_cfg else 1
     assert all(b == branches * 2 for b, _, _ in rollout)  # m = 2 samples
     assert all(b == branches * len(p) for (b, _, _), p in zip(training, packs))
-    if branches == 2:  # the second half of the batch is the "" prompt's encoding
-        negative = policy.negative_cond["prompt_embeds"]
+    if branches == 2:  # one half of the batch is the "" prompt's encoding: the second, the first for SD3 (its
+        negative = policy.negative_cond["prompt_embeds"]  # pipeline's own [uncond; cond] order)
         for b, embeds, _ in calls:
-            torch.testing.assert_close(embeds[b // 2:], negative.expand(b // 2, -1, -1))
-        assert policy.guidance > 1  # true CFG is on by default (4.0 Qwen-Image, 5.0 Wan)
+            half = embeds[:b // 2] if name == "sd3" else embeds[b // 2:]
+            torch.testing.assert_close(half, negative.expand(b // 2, -1, -1))
+        assert policy.guidance > 1  # true CFG is on by default (4.0 Qwen-Image, 5.0 Wan, 4.5 SD3)
 
 
 def test_dance_grpo_hunyuanvideo_two_steps_with_an_animated_eval(tiny_cache, tmp_path):

@@ -15,14 +15,20 @@ MECHANISMS = ["gap.py", "tsp.py", "tag.py", "tcss.py"]
 ALLOWED_THIRD_PARTY = {"torch", "einops"}
 
 
-def _imports(path: str) -> set[str]:
-    """Top-level names of every module `path` imports (at any depth: lazy imports count too)."""
+def _imports(path: str, package: str = "") -> set[str]:
+    """Dotted names of everything `path` imports, at any depth (function-level imports count too): `import a.b` gives
+    a.b, `from pkg import x` gives pkg.x (x may be a submodule or a name defined in pkg: only the module list can
+    tell); relative imports are resolved against `package`, the package `path` belongs to."""
     names = set()
     for node in ast.walk(ast.parse(open(path).read())):
         if isinstance(node, ast.Import):
             names |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # from . import x, from ..a import b: relative to this file's package
+                parent = package.split(".")[: max(len(package.split(".")) - node.level + 1, 0)] if package else []
+                base = ".".join(parent + ([node.module] if node.module else []))
+            names |= {f"{base}.{alias.name}" if base else alias.name for alias in node.names}
     return names
 
 
@@ -51,29 +57,35 @@ def _is_venv(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "pyvenv.cfg"))
 
 
-def _project_modules() -> dict[str, str]:
+def _project_modules(root: str = ROOT) -> dict[str, str]:
     """module name -> file, for every .py file of the project outside tests/."""
     modules = {}
-    for folder, dirs, files in os.walk(ROOT):
+    for folder, dirs, files in os.walk(root):
         dirs[:] = [d for d in dirs if not d.startswith(".") and d not in ("tests", "runs", "bench_runs", "__pycache__")
                    and not _is_venv(os.path.join(folder, d))]
         for f in files:
             if f.endswith(".py"):
-                rel = os.path.relpath(os.path.join(folder, f), ROOT)[:-3].replace(os.sep, ".")
+                rel = os.path.relpath(os.path.join(folder, f), root)[:-3].replace(os.sep, ".")
                 modules[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = os.path.join(folder, f)
     return modules
 
 
-def test_no_import_cycles():
-    modules = _project_modules()
+def _import_cycles(root: str = ROOT) -> list[list[str]]:
+    """Every cycle a depth-first walk of the project's import graph meets (module -> the project modules it
+    imports, at any depth of the file, with `from pkg import module` resolved to pkg.module)."""
+    modules = _project_modules(root)
     graph = {}
     for name, path in modules.items():
+        package = name if path.endswith("__init__.py") else name.rpartition(".")[0]
+        ancestors = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
         deps = set()
-        for imported in _imports(path):
-            parts = imported.split(".")  # `from infra import rundir` shows as infra; resolve to the longest match
-            deps |= {".".join(parts[:i]) for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in modules}
-        package = name.rsplit(".", 1)[0] if "." in name else None
-        graph[name] = deps - {name, package}
+        for imported in _imports(path, package):
+            parts = imported.split(".")
+            prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in modules]
+            if prefixes:  # the module it names (pkg.x: the submodule, else pkg itself) and the packages run first,
+                deps.add(prefixes[-1])  # except this module's own packages, already initialising when it runs
+                deps |= set(prefixes[:-1]) - ancestors
+        graph[name] = deps - {name}
     state, stack, cycles = {}, [], []
 
     def visit(node):
@@ -90,6 +102,30 @@ def test_no_import_cycles():
     for node in sorted(graph):
         if node not in state:
             visit(node)
+    return cycles
+
+
+def test_the_cycle_check_sees_from_package_import_module_and_function_level_imports(tmp_path):
+    """Catches a cycle check that reads `from infra import rundir` as the package infra, or skips imports inside
+    functions: it missed config -> infra.saved_config -> infra.rundir -> config (issue 23)."""
+    (tmp_path / "infra").mkdir()
+    (tmp_path / "infra" / "__init__.py").write_text('"""a package that imports nothing"""\n')
+    (tmp_path / "config.py").write_text("def load():\n    from infra import saved_config\n")
+    (tmp_path / "infra" / "saved_config.py").write_text("def f():\n    from . import rundir\n")
+    (tmp_path / "infra" / "rundir.py").write_text("def g():\n    import config\n")
+    assert _import_cycles(str(tmp_path)) == [["config", "infra.saved_config", "infra.rundir", "config"]]
+    (tmp_path / "infra" / "rundir.py").write_text("import torch\nfrom infra import tracing\nfrom . import tracing\n")
+    (tmp_path / "infra" / "tracing.py").write_text("import json\n")  # its own package runs first: no cycle
+    assert _import_cycles(str(tmp_path)) == []
+    (tmp_path / "infra" / "__init__.py").write_text("from .rundir import g\n")  # a package that uses its module
+    (tmp_path / "infra" / "tracing.py").write_text("def h():\n    from infra import g\n")  # ... and back
+    assert _import_cycles(str(tmp_path)) == [["infra", "infra.rundir", "infra.tracing", "infra"]]
+
+
+def test_no_import_cycles():
+    """Catches modules of the project that import each other (through packages and function-level imports too):
+    which one finishes loading first then depends on who imported whom first."""
+    cycles = _import_cycles()
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 

@@ -231,3 +231,29 @@ def test_estimated_trainer_memory_matches_hand_arithmetic(mode, tmp_path):
         assert row["trainer_states_gib"] < 1.1 * 18 * row["params_b"] * 1e9 / 4 / 2**30, row
     assert row["trainer_gib"] > row["trainer_states_gib"] + row["others_gib"]  # activations on top
     assert row["rollout_gib"] > 2 * row["params_b"] * 1e9 / 2**30  # bf16 weights whole on a rollout rank
+
+
+def test_fake_tensor_estimate_is_what_real_tensors_hold(tmp_path):
+    """Catches an estimate that fake tensors get wrong but real ones would not (a tensor FakeTensorMode creates
+    with another dtype or size, an allocation it hides, `materialize` building the wrong parameters): the same
+    rollout forward and two training packs run under FakeTensorMode and with real tensors on the CPU
+    (`--measure cpu`), counted by the same tracker, must hold the same bytes to 1%. On a GPU the same flag adds
+    the CUDA allocator's own peak (tools/gpu_session.sh part b). A thin FLUX (1 + 1 blocks, LoRA r8, 128 px:
+    about 1 GiB per role, seconds)."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    out = tmp_path / "measure.json"
+    proc = subprocess.run([sys.executable, "tools/estimate_memory.py", "--model", "flux", "--depth", "0.01",
+                           "--resolution", "128", "--group-size", "2", "--tsp-pack", "2", "--text-len", "64",
+                           "--lora-rank", "8", "--measure", "cpu", "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    fake, real = rows["estimate (fake tensors)"], rows["tracked, real tensors on cpu"]
+    assert real["rollout_gib"] > 0.5 and real["trainer_gib"] > real["rollout_gib"] * 0.9, rows  # the bf16 base
+    for role in ("rollout_gib", "trainer_gib"):
+        assert abs(fake[role] / real[role] - 1) < 0.01, (role, rows)

@@ -67,6 +67,8 @@ def test_every_documented_command_is_valid_and_real_weights_are_never_tiny(monke
     for --fsdp with TAG) or run real weights at the tiny 32 px with the tiny lr 3e-3 (issue 22 item 3)."""
     commands = _doc_commands()
     assert len(commands) >= 5, commands  # the parser sees the docs' commands (not vacuous)
+    files = {os.path.relpath(path, ROOT) for path, _ in commands}
+    assert {"README.md", os.path.join("docs", "RESULTS.md")} <= files, files  # results moved out of the README too
     real = 0
     for path, command in commands:
         args, world, pretrained = _args_and_world(command)

@@ -140,7 +140,7 @@ def test_bound_is_never_beaten():
                           fragment_groups=rng.choice([1, 2, 3]), max_stale=rng.randint(0, 3),
                           tsp_pack=rng.choice([1, 2, 4]), steps=7, fsdp=rng.random() < 0.3,
                           tag_split=rng.choice(["groups", "trajectories"]),
-                          tsp_stream=rng.random() < 0.3)
+                          tsp_span=rng.random() < 0.3)
         wl.train_steps = rng.randint(1, wl.num_steps)
         maybe = lambda: rng.choice([0.0, rng.uniform(0, 0.02)])  # noqa: E731
         costs = sim.Costs(forward_s={1: rng.uniform(0.001, 0.02), 8: rng.uniform(0.001, 0.02)},
@@ -218,3 +218,79 @@ def test_sweep_and_modes_refuse_bad_input(tmp_path, capsys, flags, message):
     with pytest.raises(SystemExit) as exit_info:
         sim.main(["--costs", str(path), *flags])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def _dealt_round_robin_passes(fragment_pairs, trainers, pack):
+    """Naive reference for TSP packs that span fragments: deal the step's pairs one by one round-robin
+    (trainer r gets pairs r, r + K, ...); after each fragment, the lockstep trainers run every pack all of
+    them can fill; after the last, one more padded pack if anyone still holds pairs."""
+    held, passes, out = [0] * trainers, 0, []
+    for i, n in enumerate(fragment_pairs):
+        start = sum(fragment_pairs[:i])
+        for p in range(start, start + n):
+            held[p % trainers] += 1
+        passes += min(held) // pack
+        held = [h - min(held) // pack * pack for h in held]
+        if i == len(fragment_pairs) - 1 and max(held) > 0:
+            passes += 1
+        out.append(passes)
+    return out
+
+
+def test_spanning_passes_match_dealing_pairs_one_by_one():
+    """Catches a spanning-pack count that pads per fragment, or trains a pack before every trainer can fill it
+    (FSDP's lockstep would hang): the closed form against the naive round-robin deal, random fragments."""
+    rng = random.Random(1)
+    for _ in range(300):
+        k, pack = rng.randint(1, 6), rng.choice([1, 2, 3, 4, 8])
+        fragments = [rng.randint(1, 30) for _ in range(rng.randint(1, 6))]
+        got = [sim.spanning_passes(sum(fragments[:i + 1]), k, pack, last=i == len(fragments) - 1)
+               for i in range(len(fragments))]
+        assert got == _dealt_round_robin_passes(fragments, k, pack), (k, pack, fragments)
+
+
+def test_tsp_packs_that_span_fragments_by_hand():
+    """Catches TSP padding counted per fragment when packs span fragments (or the reverse). By hand: 4 fragments of
+    one group of 2 samples, T_train = 3: 6 pairs per fragment over K = 4 trainers. Per fragment (today) each trainer
+    holds ceil(6/4) = 2 pairs, padded to one pack of 4: 4 passes of 4 pair slots per step = 0.16 s at 0.01 s per
+    pair. Spanning: the step's 24 pairs are 6 per trainer = ceil(6/4) = 2 passes: 0.08 s. Generation is ~free and
+    publish 0.05 s, so the step is training + publish."""
+    costs = _costs(f=1e-7, b=0.01, publish=0.05)
+    wl = sim.Workload(groups=4, group_size=2, num_steps=3, train_steps=3, tsp_pack=4, steps=8)
+    cluster = sim.Cluster(nproc=5, rollout_ranks=1)
+    today = sim.simulate("gap+tsp", costs, cluster, wl)
+    span = sim.simulate("gap+tsp", costs, cluster, sim.Workload(**{**wl.__dict__, "tsp_span": True}))
+    assert today.step_s == pytest.approx(4 * 1 * 4 * 0.01 + 0.05, abs=1e-4)
+    assert span.step_s == pytest.approx(2 * 4 * 0.01 + 0.05, abs=1e-4)
+    assert sim.spanning_passes(18, 4, 4, last=False) == 1  # a pack trains once full, before the step ends
+
+
+def test_tag_by_trajectories_by_hand():
+    """Catches TAG shares split by whole groups when the split is by trajectories (or the reverse). By hand: one
+    group of G = 3 per step, K = 3 trainers, a rollout rank 100x slower: before each publish the leader claims the
+    whole step (1 group; 3 trajectories). By groups one trainer generates all 3 (3 x T f = 0.6 s); by trajectories
+    each generates one (T f = 0.2 s); then the 3 pairs train in one pass of 1 (0.01 s)."""
+    costs = _costs(f=0.05, b=0.01, publish=0.0)
+    wl = sim.Workload(groups=1, group_size=3, num_steps=4, train_steps=1, tsp_pack=1, steps=8)
+    cluster = sim.Cluster(nproc=4, rollout_ranks=1, rank_speed={0: 0.01})
+    groups = sim.simulate("gap+tsp+tag", costs, cluster, wl)
+    traj = sim.simulate("gap+tsp+tag", costs, cluster, sim.Workload(**{**wl.__dict__, "tag_split": "trajectories"}))
+    assert groups.step_s == pytest.approx(3 * 4 * 0.05 + 0.01)
+    assert traj.step_s == pytest.approx(4 * 0.05 + 0.01)
+    assert groups.tag_groups == traj.tag_groups == 1  # every step's group (step 0's claimed mid-step)
+
+
+def test_tag_may_claim_part_of_a_group_by_hand():
+    """Catches claims by trajectories rounded to whole groups, or a partial group trained before it is complete.
+    By hand: one group of G = 3 per step, one rollout rank and one trainer of the same speed, 4 x 0.05 = 0.2 s per
+    trajectory. By whole groups TAG cannot help: 0.6 s on either GPU, + 3 pairs x 0.001 s. By trajectories the
+    predictor claims 1 (2 ties at the same predicted end; ties go to the smaller claim): the trainer generates it
+    in 0.2 s while the rollout rank generates the other 2 (0.4 s), and the group trains once all 3 are in: 0.403 s
+    (trained on the trainer's third alone, it would be 0.203 s)."""
+    costs = _costs(f=0.05, b=0.001, publish=0.0)
+    wl = sim.Workload(groups=1, group_size=3, num_steps=4, train_steps=1, tsp_pack=1, steps=8, tsp_span=True)
+    one_each = sim.Cluster(nproc=2, rollout_ranks=1)
+    groups = sim.simulate("gap+tsp+tag", costs, one_each, wl)
+    traj = sim.simulate("gap+tsp+tag", costs, one_each, sim.Workload(**{**wl.__dict__, "tag_split": "trajectories"}))
+    assert groups.step_s == pytest.approx(0.603) and groups.tag_groups == 0
+    assert traj.step_s == pytest.approx(0.403) and traj.tag_groups == pytest.approx(1 / 3)

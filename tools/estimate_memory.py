@@ -6,7 +6,7 @@
     python tools/estimate_memory.py --table                  # the README's table: 4 families x {LoRA, FSDP} x {8, 16}
 
 The real-size transformer of the family (FLUX.1-dev 11.9B, Qwen-Image 20.4B, Wan2.1-T2V-14B 14.3B, HunyuanVideo
-12.8B) is built from its diffusers config (written below as data, or read from --pretrained-config DIR's
+12.8B, SD3.5-Medium 2.2B) is built from its diffusers config (written below as data, or read from --pretrained-config DIR's
 transformer/config.json; no weights) under FakeTensorMode: tensors with shapes and dtypes but no storage. A fake
 process group of the asked world size (torch.testing._internal.distributed.fake_pg) stands in for the ranks. Then
 the project's own code runs, as torchtitan's scripts/estimate/estimation.py does for its models:
@@ -70,11 +70,12 @@ def _stub_pipe(model: str, transformer):
 
     def encode_prompt(prompt, device=None, max_sequence_length=512, **_):
         b, dim = len(prompt), info["text"]["dim"]
-        embeds = torch.zeros(b, max_sequence_length, dim, dtype=torch.bfloat16)
+        length = info["text"].get("clip_tokens", 0) + max_sequence_length  # SD3: 77 CLIP tokens, then T5's
+        embeds = torch.zeros(b, length, dim, dtype=torch.bfloat16)
         pooled = torch.zeros(b, info["text"].get("pooled", 1), dtype=torch.bfloat16)
         mask = torch.ones(b, max_sequence_length, dtype=torch.long)
         return {"flux": (embeds, pooled, None), "qwenimage": (embeds, mask), "wan": (embeds, None),
-                "hunyuanvideo": (embeds, pooled, mask)}[model]
+                "hunyuanvideo": (embeds, pooled, mask), "sd3": (embeds, None, pooled, None)}[model]
 
     return types.SimpleNamespace(
         transformer=transformer, encode_prompt=encode_prompt, tokenizer_max_length=1024,
@@ -95,7 +96,7 @@ def build_policy(model: str, config: dict, args) -> models.Policy:
             transformer = getattr(diffusers, FAMILIES[model]["cls"])(**config).requires_grad_(False)
     finally:
         torch.set_default_dtype(torch.float32)
-    return models.Policy(models.get_family(model), _stub_pipe(model, transformer), "cpu", torch.bfloat16,
+    return models.Policy(models.get_family(model), _stub_pipe(model, transformer), args.device, torch.bfloat16,
                          args.resolution, args.width, args.frames, max_sequence_length=args.text_len)
 
 
@@ -108,9 +109,10 @@ def add_lora_on_meta(policy, rank: int, targets: str = "flow_grpo", bf16_adapter
                 p.data = p.data.to(torch.bfloat16)
 
 
-def materialize(module: torch.nn.Module) -> None:
+def materialize(module: torch.nn.Module, device: str = "cpu") -> None:
     """Meta parameters and buffers -> fake CPU tensors of the same shapes and dtypes (call inside FakeTensorMode;
-    Module.to_empty would swap tensors, which fake ones refuse)."""
+    Module.to_empty would swap tensors, which fake ones refuse). Outside it (--measure) the same call allocates
+    real tensors on `device`, filled with small values so that the forward stays finite."""
     done = {}
     for sub in module.modules():
         for table, wrap in ((sub._parameters, True), (sub._buffers, False)):
@@ -118,7 +120,9 @@ def materialize(module: torch.nn.Module) -> None:
                 if t is None or not t.is_meta:
                     continue
                 if id(t) not in done:
-                    fake = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+                    fake = torch.empty(t.shape, dtype=t.dtype, device=device)
+                    if not isinstance(fake, torch._subclasses.fake_tensor.FakeTensor):
+                        fake.normal_(0.0, 0.02)
                     done[id(t)] = torch.nn.Parameter(fake, requires_grad=t.requires_grad) if wrap else fake
                 table[name] = done[id(t)]
 
@@ -171,16 +175,31 @@ def rollout_peak(model: str, config: dict, args) -> dict:
     policy = build_policy(model, config, args)
     if args.lora:
         add_lora_on_meta(policy, args.lora_rank, args.lora_targets, args.bf16_adapters)
-    materialize(policy.transformer)
+    materialize(policy.transformer, args.device)
     m = args.fragment_groups * args.group_size
-    x = torch.randn(m, *policy.latent_shape())  # [m, ...] float32 latents, as the sampler keeps them
-    cond = _cond(policy, m)
+    x = torch.randn(m, *policy.latent_shape(), device=args.device)  # [m, ...] float32 latents, as the sampler keeps
+    cond = {k: v.to(args.device) for k, v in _cond(policy, m).items()}
     tracker = _tracker()
     tracker.track_external(policy.transformer)
-    with tracker, torch.no_grad():
-        policy.velocity(x, torch.full((m,), 0.5), cond)
-    return {"peak": tracker.get_tracker_snapshot("peak"), "samples": m,
+    with tracker, torch.no_grad(), _allocator_peak(args.device) as allocator:
+        policy.velocity(x, torch.full((m,), 0.5, device=args.device), cond)
+    return {"peak": tracker.get_tracker_snapshot("peak"), "samples": m, "allocator_peak": allocator.get("peak"),
             "params": sum(p.numel() for p in policy.transformer.parameters())}
+
+
+@contextlib.contextmanager
+def _allocator_peak(device: str):
+    """The CUDA caching allocator's own peak over the block (what --measure compares the tracker with): bytes
+    allocated at the peak, including what was already alive before it. Nothing on a CPU (the tracker counts)."""
+    out = {}
+    if not str(device).startswith("cuda"):
+        yield out
+        return
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    yield out
+    torch.cuda.synchronize(device)
+    out["peak"] = torch.cuda.max_memory_allocated(device)
 
 
 def _sde_step_stand_in(v, x, sigma, sigma_next, noise_level, prev_sample):
@@ -203,7 +222,7 @@ def trainer_peak(model: str, config: dict, args, compute_group) -> dict:
         models.enable_full_training(policy, fp32_master=True)
     if args.grad_ckpt:
         policy.transformer.enable_gradient_checkpointing()
-    materialize(policy.transformer)
+    materialize(policy.transformer, args.device)
     if args.fsdp:
         shard_for_fsdp(policy, compute_group, keep_reference=args.beta > 0 and not args.lora)
     trainer = Trainer(policy, TrainConfig(lr=1e-4, beta=args.beta, noise_level=0.7), compute_group=compute_group,
@@ -211,20 +230,22 @@ def trainer_peak(model: str, config: dict, args, compute_group) -> dict:
     trainer.step_fn = _sde_step_stand_in
     p = args.tsp_pack
     shape = policy.latent_shape()
-    cond = {k: v.cpu() for k, v in _cond(policy, p).items()}
+    cond = {k: v.to(args.device) for k, v in _cond(policy, p).items()}
+    def randn(*size):
+        return torch.randn(*size, device=args.device)
     fragment = gap.Fragment(step=0, first_group=0, policy_version=0, producer=0, group_size=p,
-                            prompt_ids=torch.arange(p), cond=cond, latents=torch.randn(p, 1, *shape),
-                            next_latents=torch.randn(p, 1, *shape), timestep_index=torch.zeros(p, 1, dtype=torch.long),
+                            prompt_ids=torch.arange(p), cond=cond, latents=randn(p, 1, *shape),
+                            next_latents=randn(p, 1, *shape), timestep_index=torch.zeros(p, 1, dtype=torch.long),
                             sigmas=torch.full((p, 1), 0.5), sigmas_next=torch.full((p, 1), 0.4),
                             log_probs=torch.zeros(p, 1), rewards=torch.zeros(p), reward_parts=torch.zeros(p, 1),
-                            advantages=torch.randn(p))
+                            advantages=randn(p))
     batch = gather_pairs(fragment, [(i, 0) for i in range(p)])
-    weights = torch.full((p,), 1.0 / p)
+    weights = torch.full((p,), 1.0 / p, device=args.device)
     tracker = _tracker(policy.transformer, trainer.optimizer) if args.fsdp else _tracker()
     if not args.fsdp:
         tracker.track_external(policy.transformer, trainer.optimizer)
     after_step = None
-    with tracker:
+    with tracker, _allocator_peak(args.device) as allocator:
         for _ in range(2):  # the second pack runs with the AdamW state the first step created
             loss, _, _ = trainer.pair_loss(batch, weights, stale=False)
             loss.backward()
@@ -243,6 +264,7 @@ def trainer_peak(model: str, config: dict, args, compute_group) -> dict:
     held = sum(t.numel() * t.element_size() for t in ((q.to_local() if hasattr(q, "to_local") else q)
                                                      for q in reference.parameters())) if reference else 0
     return {"peak": tracker.get_tracker_snapshot("peak"), "after_step": after_step, "params": n_params,
+            "allocator_peak": allocator.get("peak"),
             "trainable": trainable, "reference_bytes": held}
 
 
@@ -263,27 +285,44 @@ def _part(snapshot: dict, *names) -> int:
     return sum(v for device in snapshot.values() for k, v in device.items() if str(k).rsplit(".", 1)[-1] in names)
 
 
+def _init_world(args, backend: str, store):
+    """One process stands in for rank `rollout_ranks` of `nproc`; the compute group is the K trainers."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # a previous row of --table: another world size
+        dist.destroy_process_group()
+    fake = backend == "fake"
+    rank, world = (args.rollout_ranks, args.nproc) if fake else (0, 1)
+    dist.init_process_group(backend, rank=rank, world_size=world, store=store)
+    compute = dist.new_group(list(range(args.rollout_ranks, args.nproc)) if fake else [0])
+    if args.fsdp:  # outside FakeTensorMode, as torchtitan's estimation.py builds its mesh
+        from torch.distributed.device_mesh import DeviceMesh
+        compute = DeviceMesh.from_group(compute, "cpu" if fake else args.device.split(":")[0])
+    return compute
+
+
+def _both_roles(args, compute) -> tuple:
+    config = transformer_config(args.model, args.pretrained_config, args.depth)
+    rollout = rollout_peak(args.model, config, args)
+    if args.device.startswith("cuda"):
+        torch.cuda.empty_cache()  # the rollout policy is gone: the trainer's peak starts from nothing
+    train = trainer_peak(args.model, config, args, compute)
+    ckpt = trainer_peak(args.model, config, argparse.Namespace(**{**vars(args), "grad_ckpt": True}), compute) \
+        if args.ckpt_too and not args.grad_ckpt else None
+    return rollout, train, ckpt
+
+
 def estimate(args) -> dict:
     """Both roles of one configuration: GiB by role and whether each fits."""
-    import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    args = argparse.Namespace(**{**vars(args), "device": "cpu"})
     trainers = args.nproc - args.rollout_ranks
-    if dist.is_initialized():  # a previous row of --table: another world size
-        dist.destroy_process_group()
-    dist.init_process_group("fake", rank=args.rollout_ranks, world_size=args.nproc, store=FakeStore())
-    compute = dist.new_group(list(range(args.rollout_ranks, args.nproc)))
-    if args.fsdp:  # outside FakeTensorMode, as torchtitan's estimation.py builds its mesh
-        from torch.distributed.device_mesh import DeviceMesh
-        compute = DeviceMesh.from_group(compute, "cpu")
-    config = transformer_config(args.model, args.pretrained_config, args.depth)
+    compute = _init_world(args, "fake", FakeStore())
     others = sum(FAMILIES[args.model]["others"].values()) * 2  # bf16, whole on every rank
     with FakeTensorMode(allow_non_fake_inputs=True):  # the policy's empty-prompt encoding is a real tensor
-        rollout = rollout_peak(args.model, config, args)
-        train = trainer_peak(args.model, config, args, compute)
-        ckpt = trainer_peak(args.model, config, argparse.Namespace(**{**vars(args), "grad_ckpt": True}), compute) \
-            if args.ckpt_too and not args.grad_ckpt else None
+        rollout, train, ckpt = _both_roles(args, compute)
     states = _part(train["after_step"], "PARAM", "GRAD", "OPT", "SHARDED_PARAM", "SHARDED_GRAD") \
         + train["reference_bytes"]
     hand = hand_bytes(train["params"], train["trainable"] if args.lora else train["params"], args.lora,
@@ -302,6 +341,31 @@ def estimate(args) -> dict:
     for gpu, capacity in GPUS.items():
         trainer = min(out["trainer_gib"], out.get("trainer_ckpt_gib", out["trainer_gib"]))
         out[f"fits_{gpu}"] = max(out["rollout_gib"], trainer) + RESERVE_GIB <= capacity / GIB
+    return out
+
+
+def measure(args) -> dict:
+    """The same two roles with real tensors on `args.measure` (one process: K = 1 trainer, a real one-rank
+    group, gloo on a CPU, nccl on a GPU), to check the estimate against memory actually allocated: the tracker's
+    peak (counted the same way as under fake tensors) and, on CUDA, the caching allocator's own peak. The text
+    encoders and VAE are not built here either (the estimate adds them by hand); neither is the KL reference."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    args = argparse.Namespace(**{**vars(args), "device": args.measure, "nproc": 2, "rollout_ranks": 1,
+                                 "ckpt_too": False})
+    if args.device.startswith("cuda"):
+        torch.cuda.set_device(args.device)
+    store = dist.FileStore(tempfile.mktemp(prefix="estimate_memory_store_"), 1)
+    compute = _init_world(args, "nccl" if args.device.startswith("cuda") else "gloo", store)
+    rollout, train, _ = _both_roles(args, compute)
+    out = {"device": args.device, "rollout_tracked_gib": _total(rollout["peak"]) / GIB,
+           "trainer_tracked_gib": (_total(train["peak"]) + train["reference_bytes"]) / GIB}
+    for role, r in (("rollout", rollout), ("trainer", train)):
+        if r["allocator_peak"] is not None:
+            out[f"{role}_allocator_gib"] = r["allocator_peak"] / GIB
+    dist.destroy_process_group()
     return out
 
 
@@ -354,7 +418,13 @@ def main(argv=None) -> int:
     p.add_argument("--depth", type=float, default=1.0, help="share of the blocks built (tests only; 1 = real size)")
     p.add_argument("--table", action="store_true", help="the README table: 4 families x {LoRA, FSDP} x {8, 16}")
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--measure", default=None, metavar="DEVICE",
+                   help="also run both roles with real tensors on DEVICE (cuda, cuda:1, cpu) at K = 1 and print the "
+                        "measured peaks beside the estimate (one trainer: use --depth < 1 for a model that fits)")
+    p.add_argument("--no-estimate", action="store_true", help="with --measure: skip the fake-tensor estimate")
     args = p.parse_args(argv)
+    if args.measure:
+        return _measure_main(args)
     runs = []
     if args.table:
         for model in FAMILIES:
@@ -383,6 +453,39 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
+    return 0
+
+
+def _measure_main(args) -> int:
+    """--measure: the estimate at K = 1 (unless --no-estimate) and the measurement, side by side, in GiB (the
+    estimate's columns without the text encoders and VAE, which neither side builds)."""
+    import time
+
+    resolve_sizes(args)
+    args.nproc, args.rollout_ranks = 2, 1
+    rows = {}
+    if not args.no_estimate:
+        start = time.perf_counter()
+        r = estimate(args)
+        rows["estimate (fake tensors)"] = (r["rollout_gib"] - r["others_gib"], r["trainer_gib"] - r["others_gib"],
+                                           time.perf_counter() - start)
+    start = time.perf_counter()
+    m = measure(args)
+    seconds = time.perf_counter() - start
+    rows[f"tracked, real tensors on {m['device']}"] = (m["rollout_tracked_gib"], m["trainer_tracked_gib"], seconds)
+    if "trainer_allocator_gib" in m:
+        rows[f"CUDA allocator peak on {m['device']}"] = (m["rollout_allocator_gib"], m["trainer_allocator_gib"],
+                                                         seconds)
+    print(f"{args.model} depth {args.depth:g}, {'LoRA r%d' % args.lora_rank if args.lora else 'full'}"
+          f"{', FSDP' if args.fsdp else ''}, K = 1, {args.resolution}x{args.width}, fragment "
+          f"{args.fragment_groups}x{args.group_size}, pack {args.tsp_pack}{', grad-ckpt' if args.grad_ckpt else ''}")
+    print("| source | rollout rank GiB | trainer rank GiB | seconds |\n|---|---|---|---|")
+    for name, (rollout, trainer, seconds) in rows.items():
+        print(f"| {name} | {rollout:.3f} | {trainer:.3f} | {seconds:.1f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({name: dict(zip(("rollout_gib", "trainer_gib", "seconds"), v)) for name, v in rows.items()},
+                      f, indent=1)
     return 0
 
 

@@ -1,37 +1,90 @@
 #!/usr/bin/env bash
-# The one prepared device check for a session lent a GPU machine (one H200), inside ~10 minutes:
-#   run(command="bash tools/gpu_session.sh", carry=[".whl"])   # .whl/: wheels of diffusers & co (pip download)
-# 1. our overhead vs the bare FLUX-12B transformer (tools/gpu_check.py);
-# 2. a FLUX.1-dev-size pipeline, random weights (tools/gpu_pipeline.py);
-# 3. DigenRL on 2 ranks sharing the GPU: NCCL as the default backend (each NCCL group holds one rank: R=1,
-#    K=1), the data plane on gloo; 512 px, LoRA r32, bf16: step time, peak memory per rank, publish time,
-#    the timeline;
-# 4. the colocated baseline on 1 rank, same settings.
-set -x
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
+# The one prepared device check (issue 22), for a session lent one H200: what no CPU test can show, in < 9 minutes.
+#   python tools/fetch_wheels.py                                  # here, first: .whl/ gets what the image lacks
+#   run(command="bash tools/gpu_session.sh", carry=[".whl"], timeout_s=600)
+#   bash tools/gpu_session.sh --dry-run                           # print the parts, their limits and the total
+# Everything it prints is also in $OUT/log. Each part has its own time limit (their sum stays under 540 s), so a
+# part that hangs costs its limit, never the session; the parts after it still run.
+#  a. 3 ranks on the one GPU (R=1, K=2), the compute plane on gloo with CUDA tensors (NCCL refuses two ranks on
+#     one GPU), --fsdp, TAG and TCSS at scripted moments (tests/inject/scripted_schedule.py), every
+#     torch.distributed call recorded and checked against the communication contract with the policy on cuda;
+#     then --resume from its checkpoint.
+#  b. full fine-tuning memory at reduced FLUX depth (0.25: about 3B parameters, 512 px): the CUDA allocator's
+#     peak per role against tools/estimate_memory.py's fake-tensor estimate of the same code.
+#  c. one 1024 px rollout forward and two training packs of the default --tsp-pack on the 12B FLUX transformer
+#     (LoRA r64), without and with --grad-ckpt: peaks and seconds.
+#  d. a FLUX.1-dev-size pipeline with random weights, then DigenRL on 2 ranks with the default backend: NCCL for
+#     the compute plane (each NCCL group holds one rank, R=1 K=1), gloo for the data plane; 512 px, LoRA r32,
+#     bf16: step times, publish times, logprob_gap, the timeline.
+# What only a machine with several GPUs can show: NCCL collectives between two trainers (FSDP all-gathers and the
+# gradient all-reduce over NCCL), and multi-node gloo.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/out}
+DRY=0; [ "${1:-}" = "--dry-run" ] && DRY=1
+TOTAL=0
+step() {  # step NAME SECONDS COMMAND...: run COMMAND under a time limit, its output in the log
+  local name=$1 limit=$2; shift 2
+  TOTAL=$((TOTAL + limit))
+  if [ $DRY = 1 ]; then echo "$name ${limit}s: $*"; return 0; fi
+  echo "== $name (limit ${limit} s) $(date +%T): $*"
+  local start=$SECONDS
+  timeout "$limit" "$@" 2>&1 | grep -v -e "UserWarning" -e "warnings.warn" -e "_register_pre_backward_hook"
+  echo "== $name: exit ${PIPESTATUS[0]} after $((SECONDS - start)) s"
+}
+if [ $DRY = 0 ]; then
+  mkdir -p "$OUT"
+  exec > >(tee -a "$OUT/log") 2>&1
+  nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
+  export DIGENRL_CACHE=/tmp/dgcache PYTHONUNBUFFERED=1
 fi
-export DIGENRL_CACHE=/tmp/dgcache PYTHONUNBUFFERED=1 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
-timeout 200 python3 tools/bench.py --size flux-12b --device cuda 2>&1 | tail -12 && cp tools/profiles/gpu_check_*.json "$OUT"/
-timeout 200 python3 tools/gpu_pipeline.py --size flux-12b --out /tmp/flux12b --device cuda 2>&1 | tail -2
-RUN="--pretrained /tmp/flux12b --resolution 512 --lora --lora-rank 32 --lora-alpha 64 --device cuda --dtype bfloat16
-     --steps 3 --prompts-per-step 2 --group-size 2 --num-steps 8 --eval-every 3 --save-every 3 --trace --no-progress
-     --out-dir /tmp/runs --timeout-s 120"
-timeout 240 python3 main.py $RUN --mode digenrl --nproc 2 --backend nccl --run-name dg2 2>&1 | grep -v "config {" | tail -8
-timeout 150 python3 main.py $RUN --mode colocated --nproc 1 --run-name co1 2>&1 | grep -v "config {" | tail -6
+RUNS=/tmp/runs
+if [ $DRY = 1 ] || ls .whl/*.whl >/dev/null 2>&1; then
+  step wheels 25 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+
+# a. 3 ranks, one GPU, gloo compute plane with CUDA tensors, FSDP + TAG + TCSS, recorded; then --resume
+A="--model flux --mode digenrl --nproc 3 --rollout-ranks 1 --backend gloo --device cuda --fsdp --async
+   --prompts-per-step 4 --fragment-groups 2 --group-size 2 --num-steps 3 --save-every 2 --eval-every 2 --seed 0
+   --timeout-s 60 --trace --no-progress --out-dir $RUNS"
+INJECT="env PYTHONPATH=tests/inject:.:${PYTHONPATH:-} DIGENRL_TEST_INJECT=scripted_schedule"
+mkdir -p /tmp/calls_a
+step a-run 100 $INJECT DIGENRL_COMM_LOG=/tmp/calls_a python3 main.py $A --steps 3 --run-name a3
+step a-contract 5 python3 tests/inject/comm_check.py /tmp/calls_a --policy-device cuda
+step a-resume 45 $INJECT python3 main.py $A --steps 4 --resume $RUNS/a3
+
+# b. full fine-tuning memory, measured against the estimate (one trainer holds everything: K = 1)
+step b-memory 70 python3 tools/estimate_memory.py --model flux --depth 0.25 --no-lora --resolution 512 \
+  --group-size 2 --fragment-groups 1 --measure cuda --json "$OUT/memory_b.json"
+
+# c. one 1024 px pack at the default --tsp-pack, 12B, without and with gradient checkpointing
+step c-1024 55 python3 tools/estimate_memory.py --model flux --resolution 1024 --group-size 2 --measure cuda \
+  --no-estimate --json "$OUT/memory_c.json"
+step c-1024-ckpt 45 python3 tools/estimate_memory.py --model flux --resolution 1024 --group-size 2 --measure cuda \
+  --no-estimate --grad-ckpt --json "$OUT/memory_c_ckpt.json"
+
+# d. the 12B pipeline, then 2 ranks with NCCL as the default compute backend
+D="--pretrained /tmp/flux12b --resolution 512 --lora --lora-rank 32 --lora-alpha 64 --device cuda --dtype bfloat16
+   --steps 3 --prompts-per-step 2 --group-size 2 --num-steps 8 --eval-every 3 --save-every 3 --trace --no-progress
+   --out-dir $RUNS --timeout-s 120"
+step d-pipeline 80 python3 tools/gpu_pipeline.py --size flux-12b --out /tmp/flux12b --device cuda
+step d-nccl 100 python3 main.py $D --mode digenrl --nproc 2 --backend nccl --run-name d2
+
+if [ $DRY = 1 ]; then echo "total limit ${TOTAL}s"; exit 0; fi
 python3 - <<'PY'
 import json
-for run in ("dg2", "co1"):
+for run in ("a3", "d2"):
     try:
         rows = [json.loads(l) for l in open(f"/tmp/runs/{run}/metrics.jsonl")]
         events = json.load(open(f"/tmp/runs/{run}/trace.json"))["traceEvents"]
-    except OSError as e:
+    except (OSError, ValueError) as e:
         print(run, "missing:", e); continue
-    pub = [e["dur"] / 1e6 for e in events if e.get("name") == "publish"]
-    print(run, "step_time_s", [round(r["step_time_s"], 2) for r in rows], "reward", [round(r["reward_mean"], 4) for r in rows],
-          "logprob_gap", [f"{r['logprob_gap']:.1e}" for r in rows], "publish_s", [round(p, 3) for p in pub])
+    publish = [round(e["dur"] / 1e6, 3) for e in events if e.get("name") == "publish"]
+    print(run, "steps", [r["step"] for r in rows], "step_time_s", [round(r["step_time_s"], 2) for r in rows],
+          "logprob_gap", [f"{r['logprob_gap']:.1e}" for r in rows], "publish_s", publish,
+          "tag", [r.get("tag_fragments") for r in rows], "stale", [r.get("stale_fragments") for r in rows])
 PY
-cp /tmp/runs/dg2/timeline.png "$OUT"/timeline_dg2.png 2>/dev/null; cp /tmp/runs/co1/timeline.png "$OUT"/timeline_co1.png 2>/dev/null; true
+for run in a3 d2; do cp $RUNS/$run/timeline.png "$OUT/timeline_$run.png" 2>/dev/null; done
+echo "total limit ${TOTAL}s; done $(date +%T)"

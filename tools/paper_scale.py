@@ -4,14 +4,17 @@ from the H200 per-operation costs measured in profiles/ and the paper's settings
     python tools/paper_scale.py              # every case, every mode, and the summary
     python tools/paper_scale.py --out x.json
 
-Each case runs every mode through simulate.py's event model with the best R/K split, plus DigenRL
-with the smallest stale budget (j=1). Two colocated baselines: `colocated` is ideal (no switch
-cost); `colocated-real` pays what a veRL-Omni-style system pays per step (rollout sleep/wake,
-weight sync, actor offload/reload; costs and their sources in profiles/colocated_switch.json).
-The summary puts DigenRL's speedup over both next to the paper's 1.56-2.10x, and shows what two
-changes beyond the runtime's design would buy (TAG split by trajectories, TSP packs spanning
-fragments). A family with no measured profile is scaled from a measured one by FLOPs, and the
-output says so. (simulate.py does not import this file: the dependency runs one way.)
+Each case runs every mode through simulate.py's event model with the best R/K split and the runtime's
+default knobs ("digenrl before": fragments of one group, the model's pack, j = R, without issue 25's
+changes), plus DigenRL with the smallest stale budget (j=1). The "digenrl" row is tools/plan.py's best
+configuration (R, fragment size, pack, TAG, j; memory-checked) with issue 25's runtime (TSP packs that
+span fragments, TAG by trajectories); "digenrl planned, today" is the planner's best without them, so
+the summary separates what the knobs buy from what the runtime changes buy. Two colocated baselines:
+`colocated` is ideal (no switch cost); `colocated-real` pays what a veRL-Omni-style system pays per
+step (rollout sleep/wake, weight sync, actor offload/reload; costs and their sources in
+profiles/colocated_switch.json). The summary puts DigenRL's speedup over both next to the paper's
+1.56-2.10x. A family with no measured profile is scaled from a measured one by FLOPs, and the output
+says so. (The workload and cost readers are tools/paper_costs.py, which plan.py imports too: no cycle.)
 """
 from __future__ import annotations
 
@@ -24,83 +27,32 @@ import sys
 if __package__ in (None, ""):  # run as `python tools/X.py`: make the project root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.simulate import (MODES, REAL_COLOCATED, Cluster, Costs, Workload,  # noqa: E402
-                            best_split, format_report, simulate)
+from tools import plan  # noqa: E402
+from tools.paper_costs import (_profile, paper_costs, paper_settings, paper_workload,  # noqa: E402,F401
+                               scaled_costs, switch_parts)
+from tools.simulate import MODES, REAL_COLOCATED, Cluster, Costs, best_split, format_report, simulate  # noqa: E402
 
-PROFILE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "profiles")
 PAPER_SPEEDUP = "1.56-2.10x"
-WHAT_IFS = {"TAG by trajectories": {"tag_split": "trajectories"}, "TSP stream": {"tsp_stream": True}}
-
-
-def _profile(name: str) -> dict:
-    with open(os.path.join(PROFILE_DIR, name)) as f:
-        return json.load(f)
-
-
-def paper_settings() -> dict:
-    return _profile("paper_settings.json")
-
-
-def paper_workload(label: str, max_stale: int | None = None) -> Workload:
-    s, p = paper_settings()["models"][label], paper_settings()
-    return Workload(groups=p["batch_groups"], group_size=s["G"], num_steps=s["T"],
-                    train_steps=round(s["frac"] * s["T"]), fragment_groups=p["fragment_groups"],
-                    tsp_pack=s["pack"], max_stale=max_stale, steps=8)
-
-
-def paper_costs(label: str, fragment_m: int, train_steps: int) -> Costs:
-    """H200 costs of a seed model: profiles/h200_*.json rows plus paper_settings.json's assumptions."""
-    p = paper_settings()
-    s = p["models"][label]
-    data = _profile(s["file"])
-
-    def rows(key, **match):  # seconds per sample
-        return {r["bs"]: r["sec"] / r["bs"] for r in data[key]
-                if "sec" in r and all(r.get(k) == v for k, v in match.items())}
-
-    link, scale = p["link_bytes_per_s"], s["params"] / p["flux_params"]  # LoRA size scales
-    return Costs(rows(**s["forward"]), rows(**s["train"]), decode_s=s["decode_s"],
-                 reward_s=s["reward_s"],
-                 transfer_s=fragment_m * (train_steps * s["latent_bytes"] + s["text_bytes"]) / link,
-                 publish_s=scale * (p["flux_lora_device_to_host_s"] + p["flux_lora_bytes"] / link),
-                 optimizer_s=p["optimizer_s"], allreduce_s=p["allreduce_s"],
-                 step_overhead_s=p["step_overhead_s"], true_cfg=s["true_cfg"], name=label,
-                 provenance=f"measured: profiles/{s['file']} ({data['gpu']})")
-
-
-def switch_parts(label: str, nproc: int) -> dict:
-    """Seconds per step each GPU of a veRL-Omni-style colocated system spends switching phases
-    (profiles/colocated_switch.json says which inputs are measured and which assumed)."""
-    sw, p = _profile("colocated_switch.json"), paper_settings()
-    transformer = _profile(p["models"][label]["file"])["params"]  # measured architecture size
-    replica_bytes = 2 * (transformer + sum(sw["rollout_other_params"][label].values()))
-    lora_params = p["flux_lora_bytes"] / 2 * transformer / p["flux_params"]
-    actor_bytes = (2 * transformer + sw["actor_state_bytes_per_trainable_param"] * lora_params) / nproc
-    d2h, h2d = sw["device_to_host_bytes_per_s"], sw["host_to_device_bytes_per_s"]
-    return {"rollout wake (H2D)": replica_bytes / h2d, "rollout sleep (D2H)": replica_bytes / d2h,
-            "weight sync (all-gather)": 2 * transformer * (nproc - 1) / nproc / sw["sync_bytes_per_s"],
-            "actor offload+reload": actor_bytes / d2h + actor_bytes / h2d,
-            "replica GB": replica_bytes / 1e9}
-
-
-def scaled_costs(base: Costs, ratio: float, label: str, true_cfg: bool) -> Costs:
-    """A family with no measurement: forward and train costs of a measured one times a FLOPs ratio."""
-    return dataclasses.replace(
-        base, forward_s={k: v * ratio for k, v in base.forward_s.items()},
-        train_s={k: v * ratio for k, v in base.train_s.items()}, true_cfg=true_cfg, name=label,
-        provenance=f"NOT measured: {base.name} costs scaled by FLOPs x{ratio:.2f}")
 
 
 def run_case(label: str, nproc, p: dict) -> dict:
-    """Every mode for one model on one cluster; nproc = 16, 32 or "hetero"."""
+    """Every mode for one model on one cluster; nproc = 16, 32 or "hetero". The "digenrl" row is the
+    planner's best configuration (tools/plan.py) with issue 25's runtime; "digenrl before" is the
+    runtime's defaults (fragments of one group, the model's pack, j = R, best R) without it."""
     extra = p["unmeasured_example"]
     key = label if label in p["models"] else extra["scale_from"]
     wl = paper_workload(key)
-    costs = paper_costs(key, wl.m, wl.train_steps)
-    if key != label:  # a family with no profile: FLOPs-scaled from a measured one
-        ratio = extra["params"] / p["models"][key]["params"] * extra["tokens_ratio"]
-        costs = scaled_costs(costs, ratio, label, extra["true_cfg"])
-    if nproc == "hetero":
+
+    def costs_of(fragment_groups: int) -> Costs:
+        base = paper_costs(key, fragment_groups * wl.group_size, wl.train_steps)
+        if key == label:
+            return base
+        ratio = extra["params"] / p["models"][key]["params"] * extra["tokens_ratio"]  # FLOPs-scaled
+        return scaled_costs(base, ratio, label, extra["true_cfg"])
+
+    costs = costs_of(wl.fragment_groups)
+    hetero = nproc == "hetero"
+    if hetero:
         cluster = Cluster(32, 16, rollout_kind="half", speeds={"h200": 1.0, "half": 0.5})
         run = lambda mode, w: simulate(mode, costs, cluster, w)  # noqa: E731
     else:
@@ -110,14 +62,23 @@ def run_case(label: str, nproc, p: dict) -> dict:
     real = dataclasses.replace(costs, switch_s=sum(v for k, v in parts.items() if k.endswith(")")))
     reports = [run(mode, wl) for mode in MODES]
     reports.insert(1, simulate(REAL_COLOCATED, real, cluster, wl))
+    reports[-1] = dataclasses.replace(reports[-1], mode="digenrl before")
     reports.append(dataclasses.replace(run("digenrl", paper_workload(key, max_stale=1)),
-                                       mode="digenrl j=1"))
-    what_if = {name: run("digenrl", dataclasses.replace(wl, **kw)) for name, kw in WHAT_IFS.items()}
-    what_if["both"] = run("digenrl", dataclasses.replace(
-        wl, **{k: v for kw in WHAT_IFS.values() for k, v in kw.items()}))
-    where = "16 rollout GPUs at 0.5x + 16 H200 trainers" if nproc == "hetero" else f"{nproc} H200"
+                                       mode="digenrl j=1 before"))
+    planned = {}
+    for runtime in ("today", "issue25"):
+        problem = plan.Problem(key, p["models"][key]["family"] if key == label else None, cluster.nproc,
+                               rollout_speed=0.5 if hetero else 1.0, rollout_gpus=16 if hetero else None,
+                               runtime=runtime, costs_of=costs_of)
+        plans, _ = plan.best(problem, top=1)
+        planned[runtime] = (problem, plans[0])
+    problem, best_plan = planned["issue25"]
+    reports.append(dataclasses.replace(planned["today"][1].report, mode="digenrl planned, today"))
+    reports.append(dataclasses.replace(best_plan.report, mode="digenrl"))
+    where = "16 rollout GPUs at 0.5x + 16 H200 trainers" if hetero else f"{nproc} H200"
     return {"model": label, "cluster": where, "provenance": costs.provenance, "workload": wl,
-            "switch": parts, "reports": reports, "what_if": what_if}
+            "switch": parts, "reports": reports, "plan": best_plan.candidate,
+            "command": plan.command(problem, best_plan.candidate) if problem.family else None}
 
 
 def print_case(case: dict) -> None:
@@ -130,6 +91,7 @@ def print_case(case: dict) -> None:
     for rep in reports:
         print("  " + format_report(rep))
     d = by["digenrl"]
+    print(f"  planner's choice: {case['plan']}" + (f"\n  {case['command']}" if case["command"] else ""))
     print(f"  DigenRL vs ideal colocated {by['colocated'].step_s / d.step_s:.2f}x, vs real-cost "
           f"colocated {by[REAL_COLOCATED].step_s / d.step_s:.2f}x (paper: {PAPER_SPEEDUP}), "
           f"vs naive {by['naive'].step_s / d.step_s:.2f}x; a colocated switch cost of "
@@ -137,16 +99,17 @@ def print_case(case: dict) -> None:
 
 
 def print_summary(cases: list[dict]) -> None:
-    names = list(cases[0]["what_if"])
-    print("\n## Summary: DigenRL step-time ratio (higher = DigenRL faster)")
-    print(f"  {'model':<34}{'GPUs':<44}{'vs ideal':>9}{'vs real':>9}{'paper':>11}  "
-          + "".join(f"{'ideal, ' + n:>26}" for n in names))
+    print("\n## Summary: DigenRL step-time ratio (higher = DigenRL faster). before: the runtime's defaults "
+          "without issue 25; planned: tools/plan.py's best configuration, today's runtime; after: planned, with "
+          "TSP packs spanning fragments and TAG by trajectories")
+    print(f"  {'model':<34}{'GPUs':<44}{'vs ideal: before':>17}{'planned':>9}{'after':>7}"
+          f"{'vs real: before':>16}{'after':>7}{'paper':>11}")
     for case in cases:
-        by = {r.mode: r for r in case["reports"]}
-        ideal, real, d = by["colocated"].step_s, by[REAL_COLOCATED].step_s, by["digenrl"].step_s
-        print(f"  {case['model']:<34}{case['cluster']:<44}{ideal / d:>8.2f}x{real / d:>8.2f}x"
-              f"{PAPER_SPEEDUP:>11}  " + "".join(
-                  f"{ideal / case['what_if'][n].step_s:>25.2f}x" for n in names))
+        by = {r.mode: r.step_s for r in case["reports"]}
+        ideal, real = by["colocated"], by[REAL_COLOCATED]
+        before, planned, after = by["digenrl before"], by["digenrl planned, today"], by["digenrl"]
+        print(f"  {case['model']:<34}{case['cluster']:<44}{ideal / before:>16.2f}x{ideal / planned:>8.2f}x"
+              f"{ideal / after:>6.2f}x{real / before:>15.2f}x{real / after:>6.2f}x{PAPER_SPEEDUP:>11}")
 
 
 def print_paper(out: str | None = None) -> list[dict]:
@@ -166,7 +129,7 @@ def print_paper(out: str | None = None) -> list[dict]:
         with open(out, "w") as f:
             json.dump([{**r, "workload": dataclasses.asdict(r["workload"]),
                         "reports": [dataclasses.asdict(x) for x in r["reports"]],
-                        "what_if": {k: dataclasses.asdict(x) for k, x in r["what_if"].items()}}
+                        "plan": dataclasses.asdict(r["plan"])}
                        for r in results], f, indent=1)
     return results
 

@@ -1,4 +1,4 @@
-"""The released checkpoints of the four seed families as data, for tools/estimate_memory.py: each transformer's
+"""The released checkpoints of the families as data, for tools/estimate_memory.py: each transformer's
 diffusers config (its transformer/config.json on the Hugging Face Hub) and the parameter counts of what else every
 rank loads whole (text encoders, VAE), counted from their configs on the meta device (2026-12-01, diffusers
 0.42.1, transformers 5.23.0). No weights: building these on the meta device or under FakeTensorMode takes no memory.
@@ -43,4 +43,15 @@ FAMILIES = {
                          others={"Llama-3-8B text (llava)": 7_505_186_816, "CLIP-L text": 123_060_480,
                                  "VAE": 246_478_803},
                          text=dict(dim=4096, pooled=768), vae_spatial=8),
+    # SD3.5-Medium: 24 MMDiT-X blocks (the first 13 with a second image self-attention), 2.24B parameters; its text
+    # sequence is 77 CLIP tokens followed by the T5 tokens (models/sd3.py), hence clip_tokens.
+    "sd3": dict(cls="SD3Transformer2DModel", source="stabilityai/stable-diffusion-3.5-medium transformer/config.json",
+                config=dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
+                            num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536,
+                            pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=384,
+                            dual_attention_layers=tuple(range(13)), qk_norm="rms_norm"),
+                blocks=("num_layers",),
+                others={"T5-XXL encoder": 4_762_310_656, "CLIP-G text (projection)": 694_659_840,
+                        "CLIP-L text (projection)": 123_650_304, "VAE": 83_819_683},
+                text=dict(dim=4096, pooled=2048, clip_tokens=77), vae_spatial=8),
 }

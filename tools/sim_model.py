@@ -62,9 +62,10 @@ class Workload:
     max_stale: int | None = None  # j in fragments; None = one per rollout rank (the default)
     tsp_pack: int = 4
     fsdp: bool = False  # TAG claims multiples of K groups (every FSDP rank runs the same forwards)
-    # What-ifs beyond the runtime's design (defaults = the design):
-    tag_split: str = "groups"  # "trajectories": TAG shares are ceil(n G / K) trajectories
-    tsp_stream: bool = False  # TSP packs span fragments: padding once per step, not per fragment
+    # Issue 25's two runtime changes, as options of the one cost model (defaults = today's runtime):
+    tag_split: str = "groups"  # "trajectories": TAG claims any number of trajectories (part of a group
+    #   too) and splits them over the K trainers by trajectories; "groups": whole groups, split by groups
+    tsp_span: bool = False  # TSP packs span the fragments of a step: padding once per step, not per fragment
     steps: int = 10  # simulated RL steps: the `warmup` first and the last one are not measured
     warmup: int = 2
 
@@ -99,22 +100,25 @@ def generation_s(costs: Costs, samples: int, num_steps: int, speed: float) -> fl
             + samples * (costs.decode_s + costs.reward_s)) / speed
 
 
+def pair_s(costs: Costs, wl: Workload, speed: float) -> float:
+    """One (sample, timestep) pair in a TSP pack of wl.tsp_pack pairs."""
+    return per_item(costs.train_s, wl.tsp_pack) / speed
+
+
 def train_tsp_s(costs: Costs, wl: Workload, samples: int, trainers: int, speed: float) -> float:
-    """One trainer's time for a range of `samples` under TSP (every trainer runs as many passes;
-    with the tsp_stream what-if, pairs of consecutive fragments share packs: no padding here)."""
-    pair = per_item(costs.train_s, wl.tsp_pack) / speed
-    if wl.tsp_stream:
-        return samples * wl.train_steps / trainers * pair
-    return tsp.num_passes(samples, wl.train_steps, trainers, wl.tsp_pack) * wl.tsp_pack * pair
+    """One trainer's time for a fragment of `samples` under TSP, padded to whole packs on its own
+    (tsp.num_passes: every trainer runs as many passes)."""
+    return tsp.num_passes(samples, wl.train_steps, trainers, wl.tsp_pack) * wl.tsp_pack * pair_s(costs, wl, speed)
 
 
-def stream_tail_s(costs: Costs, wl: Workload, trainers: int, speed: float) -> float:
-    """tsp_stream what-if: the step's last pack is padded once per step."""
-    if not wl.tsp_stream:
-        return 0.0
-    per_rank = wl.trajectories * wl.train_steps / trainers
-    padding = math.ceil(per_rank / wl.tsp_pack) * wl.tsp_pack - per_rank
-    return padding * per_item(costs.train_s, wl.tsp_pack) / speed
+def spanning_passes(pairs: int, trainers: int, pack: int, last: bool) -> int:
+    """TSP packs that span fragments: passes every trainer has run once `pairs` pairs of the step are in.
+    The step's pairs are dealt round-robin (trainer r holds pairs r, r + K, ...), so the fullest common
+    share is floor(pairs / K) pairs: that many make floor(. / pack) full packs, run in lockstep as soon
+    as they fill; only the step's last pack is padded (`last`: ceil(ceil(pairs / K) / pack))."""
+    if last:
+        return math.ceil(math.ceil(pairs / trainers) / pack)
+    return pairs // trainers // pack
 
 
 def train_dealt_s(costs: Costs, wl: Workload, speed: float) -> float:

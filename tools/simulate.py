@@ -6,15 +6,22 @@
     python tools/paper_scale.py                                     # the seed models on 16/32 H200s
 
 `simulate(mode, costs, cluster, workload)` runs a small discrete-event simulation that follows the
-runtime's protocol. The fragment queue hands out contiguous ranges of GROUPS: a rollout rank claims
-`fragment_groups` at a time (the last claim may get fewer) and streams each finished range to the
-trainer, which trains them in arrival order (GAP) or after the whole batch (naive). TSP spreads a
-range's packed pairs over all K trainers (padding included, tsp.num_passes); without TSP whole
+runtime's protocol. The fragment queue is a counter of TRAJECTORIES: a rollout rank claims a contiguous
+range of m = fragment_groups x G at a time (the last claim may get fewer) and streams each finished
+range to the trainer, which trains each group once all its G trajectories are in, in arrival order
+(GAP) or after the whole batch (naive). TSP spreads the pairs over all K trainers; without TSP whole
 fragments are dealt round-robin. TAG: when nothing has arrived, the trainer leader asks
-tag.assist_groups (the runtime's own predictor) how many groups to claim, and the K trainers
-generate them (split by groups, tag.split_groups); right before publishing the weights of step
-k + 1 it makes the same decision for step k + 1. TCSS lets rollout ranks generate up to j fragments
-of the next batch with the weights they hold. A step ends when all B groups are trained.
+tag.assist_groups (the runtime's own predictor) how much to claim, and the K trainers generate it;
+right before publishing the weights of step k + 1 it makes the same decision for step k + 1. TCSS
+lets rollout ranks generate up to j fragments of the next batch with the weights they hold. A step
+ends when all B groups are trained.
+Issue 25's two runtime changes are Workload options of this one model (defaults: the runtime today):
+  tsp_span    packs span fragments: a trainer's pairs of consecutive fragments fill the same packs and a
+              pack trains once every trainer can fill it (sim_model.spanning_passes); only the step's last
+              pack is padded. Off: each fragment is padded to whole packs (tsp.num_passes).
+  tag_split   "trajectories": the predictor runs in units of trajectories, so the leader may claim part
+              of a group, split over the K trainers by trajectories; "groups": whole groups, split by
+              groups (a trainer without a share idles).
 Colocated: every rank generates its static share of fragments, then trains it; "colocated-real"
 also pays `costs.switch_s` per step (offload/reload and weight sync, see paper_scale.py).
 Several steps are simulated; the report is the steady-state mean (warm-up and last step excluded).
@@ -39,7 +46,7 @@ import config  # noqa: E402  (config.MODES owns the mechanism presets)
 import tag  # noqa: E402  (the runtime's TAG predictor: the simulated leader decides as the real one)
 from infra.tracing import union_length  # noqa: E402
 from tools.sim_model import (Cluster, Costs, Workload, _Sim, bound_s, generation_s,  # noqa: E402,F401
-                             per_item, stream_tail_s, train_dealt_s, train_tsp_s)
+                             pair_s, per_item, spanning_passes, train_dealt_s, train_tsp_s)
 
 BENCH_MODES = ("colocated", "naive", "gap", "gap+tsp", "gap+tsp+tag", "digenrl")
 REAL_COLOCATED = "colocated-real"  # simulator only: colocated plus the measured switch costs
@@ -124,32 +131,34 @@ def _colocated(sim, mode, costs, cluster, wl):
 def _disaggregated(sim, mode, costs, cluster, wl):
     _, gap_on, tsp_on, tag_on, async_on = mechanisms(mode)
     P, R, B, G, S = cluster.nproc, cluster.rollout_ranks, wl.groups, wl.group_size, wl.steps
+    N, m = B * G, wl.m  # trajectories per step, per fragment
+    unit = 1 if wl.tag_split == "trajectories" else G  # TAG's claim unit, in trajectories
     trainers = list(range(R, P))
     K, leader = len(trainers), trainers[0]
     t_speed = cluster.speed(leader)
     max_stale = R if wl.max_stale is None else wl.max_stale
     claimed, stale_claims, tag_claimed = defaultdict(int), defaultdict(int), defaultdict(int)
-    announced = defaultdict(list)  # step -> [(groups, destination rank)] in announcement order
+    announced = defaultdict(list)  # step -> [(first, end trajectory, destination rank)] in order
     state = {"published": -1}
     counts = {"tag": 0, "tag_groups": 0, "stale": 0}
     step_end = {}
 
-    def claim(step, groups):
-        """The store counter: a contiguous range of up to `groups` groups, or 0 when none is left."""
-        got = max(min(groups, B - claimed[step]), 0)
-        claimed[step] += got
-        return got
+    def claim(step, n):
+        """The store counter, in trajectories: the contiguous range [lo, hi) of up to n of them."""
+        lo = claimed[step]
+        claimed[step] = min(lo + max(n, 0), N)
+        return lo, claimed[step]
 
-    def transfer_s(groups):
-        return costs.transfer_s * groups * G / wl.m
+    def transfer_s(trajectories):
+        return costs.transfer_s * trajectories / m
 
     def rollout(rank):
         speed, held = cluster.speed(rank), -1
 
-        def produce(step, groups, version):
-            yield from sim.busy([rank], generation_s(costs, groups * G, wl.num_steps, speed))
+        def produce(step, lo, hi, version):
+            yield from sim.busy([rank], generation_s(costs, hi - lo, wl.num_steps, speed))
             seq = len(announced[step])
-            announced[step].append((groups, leader if tsp_on else trainers[seq % K]))
+            announced[step].append((lo, hi, leader if tsp_on else trainers[seq % K]))
             counts["stale"] += version < step
 
         for step in range(S):
@@ -157,86 +166,108 @@ def _disaggregated(sim, mode, costs, cluster, wl):
             if held < state["published"]:
                 yield ("delay", costs.weights_latency_s)
                 held = state["published"]
-            while groups := claim(step, wl.fragment_groups):
-                yield from produce(step, groups, held)
+            while (got := claim(step, m))[1] > got[0]:
+                yield from produce(step, *got, held)
             while async_on and step + 1 < S and state["published"] < step + 1:
                 stale_claims[step + 1] += 1  # TCSS: the budget j counts fragments
                 if stale_claims[step + 1] > max_stale:
                     break
-                if not (groups := claim(step + 1, wl.fragment_groups)):
+                if (got := claim(step + 1, m))[1] == got[0]:
                     break
-                yield from produce(step + 1, groups, held)
+                yield from produce(step + 1, *got, held)
 
-    # The predictor's inputs, as the runtime estimates them.
-    gen_rollout = R / sum(1 / generation_s(costs, wl.m, wl.num_steps, cluster.speed(r))
+    # The predictor's inputs, as the runtime estimates them, in units of `unit` trajectories.
+    gen_rollout = R / sum(1 / generation_s(costs, m, wl.num_steps, cluster.speed(r))
                           for r in range(R))  # per fragment: the ranks' harmonic mean
-    gen_round = generation_s(costs, G, wl.num_steps, t_speed) + (transfer_s(1) if K > 1 else 0)
-    train_group = train_tsp_s(costs, wl, wl.m, K, t_speed) / wl.fragment_groups
+    gen_unit = generation_s(costs, G, wl.num_steps, t_speed) * unit / G + (transfer_s(unit) if K > 1 else 0)
+    if wl.tsp_span:
+        train_unit = unit * wl.train_steps / K * pair_s(costs, wl, t_speed)
+    else:
+        train_unit = train_tsp_s(costs, wl, m, K, t_speed) * unit / m
     decisions = {}
 
     def tag_wants(step, next_seq, boundary=False):
+        """tag.assist_groups' claim, in trajectories."""
         key = (step, claimed[step], len(announced[step]), next_seq, boundary)
         if key not in decisions:
-            arrived = sum(g for g, _ in announced[step])
-            decisions[key] = tag.assist_groups(tag.StepState(
-                unclaimed=B - claimed[step], waiting=sum(g for g, _ in announced[step][next_seq:]),
-                in_flight=max(claimed[step] - arrived - tag_claimed[step], 0), rollout_ranks=R,
-                gen_rollout_s=gen_rollout, gen_trainer_s=gen_round, train_s=train_group,
-                fragment_groups=wl.fragment_groups, trainers=K, quantum=K if wl.fsdp else 1,
-                group_size=G if wl.tag_split == "trajectories" else 0,
+            arrived = sum(hi - lo for lo, hi, _ in announced[step])
+            decisions[key] = unit * tag.assist_groups(tag.StepState(
+                unclaimed=(N - claimed[step]) // unit,
+                waiting=sum(hi - lo for lo, hi, _ in announced[step][next_seq:]) // unit,
+                in_flight=max(claimed[step] - arrived - tag_claimed[step], 0) // unit, rollout_ranks=R,
+                gen_rollout_s=gen_rollout, gen_trainer_s=gen_unit, train_s=train_unit,
+                fragment_groups=m // unit, trainers=K, quantum=K if wl.fsdp else 1,
                 rollout_start_s=(costs.publish_s + costs.weights_latency_s) if boundary else 0.0,
                 trainer_start_s=costs.publish_s if boundary else 0.0))
         return decisions[key]
 
-    def tag_claim(step, groups):
-        got = claim(step, groups)
-        tag_claimed[step] += got
-        counts["tag"] += got > 0
-        counts["tag_groups"] += got
-        return got
+    def tag_claim(step, n):
+        lo, hi = claim(step, n)
+        tag_claimed[step] += hi - lo
+        counts["tag"] += hi > lo
+        counts["tag_groups"] += (hi - lo) / G
+        return lo, hi
 
     def publish(version):
         yield from sim.busy([leader], costs.publish_s)
         state["published"] = version
 
+    def tag_shares(lo, hi):
+        """Each trainer's trajectories of a TAG claim: split by trajectories, or by whole groups."""
+        if wl.tag_split == "trajectories":
+            return [tag.split_groups(hi - lo, K, r) for r in range(K)]
+        return [(a * G, b * G) for a, b in (tag.split_groups((hi - lo) // G, K, r) for r in range(K))]
+
     def trainer_group():  # under TSP the K trainers move in lockstep: one actor
         yield from publish(0)
-        pending = defaultdict(int)  # step -> groups TAG claimed at the boundary, not generated yet
+        pending = {}  # step -> the range TAG claimed at the boundary, not generated yet
         for step in range(S):
-            trained, next_seq, held, own = 0, 0, 0, pending.pop(step, 0)
+            have = bytearray(N)  # trajectories in the trainer group (a group trains once all G are)
+            trained, next_seq, pairs, passes = 0, 0, 0, 0
+            own, held = pending.pop(step, (0, 0)), []
+
+            def train(groups):  # one arrival's newly complete groups, trained now (GAP) or held
+                nonlocal pairs, passes
+                if not gap_on:
+                    held.append(groups)
+                    return 0.0
+                if not wl.tsp_span:  # the runtime today: each arrival padded to whole packs
+                    return train_tsp_s(costs, wl, groups * G, K, t_speed)
+                pairs += groups * G * wl.train_steps
+                now = spanning_passes(pairs, K, wl.tsp_pack, last=False)
+                done, passes = now - passes, now
+                return done * wl.tsp_pack * pair_s(costs, wl, t_speed)
+
             while trained < B:
-                yield ("until", lambda: len(announced[step]) > next_seq or own
+                yield ("until", lambda: len(announced[step]) > next_seq or own[1] > own[0]
                        or (tag_on and tag_wants(step, next_seq) > 0))
                 if len(announced[step]) > next_seq:  # the leader polls arrivals first
-                    groups = announced[step][next_seq][0]
+                    lo, hi, _ = announced[step][next_seq]
                     next_seq += 1
-                    yield from sim.busy([leader], transfer_s(groups))
+                    yield from sim.busy([leader], transfer_s(hi - lo))
                     if K > 1:
-                        yield from sim.busy(trainers, transfer_s(groups))  # broadcast to the group
-                elif own:  # generate the claimed groups, split over the K trainers by groups
-                    groups, own = own, 0
-                    if wl.tag_split == "trajectories":  # what-if: every trainer a share
-                        shares = [tag.split_groups(groups * G, K, r) for r in range(K)]
-                    else:  # the runtime: whole groups (a rank without a share idles)
-                        shares = [(lo * G, hi * G) for lo, hi in
-                                  (tag.split_groups(groups, K, r) for r in range(K))]
-                    working = [t for t, (lo, hi) in zip(trainers, shares) if hi > lo]
-                    share = max(hi - lo for lo, hi in shares)  # trajectories
+                        yield from sim.busy(trainers, transfer_s(hi - lo))  # broadcast to the group
+                elif own[1] > own[0]:  # generate the claimed trajectories, split over the K trainers
+                    (lo, hi), own = own, (0, 0)
+                    shares = tag_shares(lo, hi)
+                    working = [t for t, (a, b) in zip(trainers, shares) if b > a]
+                    share = max(b - a for a, b in shares)
                     yield from sim.busy(working, generation_s(costs, share, wl.num_steps, t_speed))
                     if K > 1:
-                        yield from sim.busy(trainers, transfer_s(groups))  # shares to the group
+                        yield from sim.busy(trainers, transfer_s(hi - lo))  # shares to the group
                 else:
                     own = tag_claim(step, tag_wants(step, next_seq))
                     continue
+                have[lo:hi] = b"\x01" * (hi - lo)
+                groups = sum(all(have[g * G:(g + 1) * G]) for g in range(lo // G, -(-hi // G)))
                 trained += groups
-                if gap_on:
-                    yield from sim.busy(trainers, train_tsp_s(costs, wl, groups * G, K, t_speed))
-                else:
-                    held += groups
-            if held:
-                yield from sim.busy(trainers, sum(
-                    train_tsp_s(costs, wl, g * G, K, t_speed) for g, _ in announced[step]))
-            yield from sim.busy(trainers, stream_tail_s(costs, wl, K, t_speed))
+                yield from sim.busy(trainers, train(groups))
+            tail = sum(train_tsp_s(costs, wl, g * G, K, t_speed) for g in held)
+            if wl.tsp_span:  # the step's last pack, padded (or every pack, without GAP)
+                pairs = B * G * wl.train_steps
+                tail = (spanning_passes(pairs, K, wl.tsp_pack, last=True) - passes) * wl.tsp_pack \
+                    * pair_s(costs, wl, t_speed)
+            yield from sim.busy(trainers, tail)
             yield from _finish(sim, trainers, costs, K)
             yield from sim.busy([leader], costs.step_overhead_s)
             step_end[step] = sim.now
@@ -252,9 +283,9 @@ def _disaggregated(sim, mode, costs, cluster, wl):
         for step in range(S):
             for seq in range(k, wl.fragments, K):
                 yield ("until", lambda: len(announced[step]) > seq)
-                groups = announced[step][seq][0]
-                work = train_dealt_s(costs, wl, t_speed) * groups / wl.fragment_groups
-                yield from sim.busy([rank], transfer_s(groups) + (work if gap_on else 0.0))
+                lo, hi, _ = announced[step][seq]
+                work = train_dealt_s(costs, wl, t_speed) * (hi - lo) / m
+                yield from sim.busy([rank], transfer_s(hi - lo) + (work if gap_on else 0.0))
                 done[step] += 0 if gap_on else work
             yield from sim.busy([rank], done[step])
             barrier[step] += 1
@@ -374,7 +405,8 @@ def main(argv=None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     costs, data = load_costs(args.costs)
-    wl = Workload(**{**data["workload"], "steps": args.steps})
+    legacy = {"tsp_stream": "tsp_span"}  # costs files written before issue 25 name the option so
+    wl = Workload(**{**{legacy.get(k, k): v for k, v in data["workload"].items()}, "steps": args.steps})
     cluster = Cluster(**{**data["cluster"], **({"nproc": args.nproc} if args.nproc else {})})
     if args.rollout_ranks is not None:
         cluster.rollout_ranks = args.rollout_ranks or 1
