@@ -127,7 +127,6 @@ class Groups:
     trainer_data: object = None  # trainers, gloo, CPU tensors
     publish: object = None  # [leader] + rollout ranks, gloo, CPU tensors
     world_data: object = None  # all ranks, gloo, CPU tensors
-    planes: dict = dataclasses.field(default_factory=dict)  # group -> DATA_PLANE | COMPUTE_PLANE
 
     @property
     def leader(self) -> int:
@@ -180,7 +179,6 @@ def build_groups(rank: int, world: int, placement: str, rollout_ranks: int) -> G
     def new(ranks, plane, backend):
         group = dist.new_group(ranks, timeout=NO_DEADLINE, backend=backend, group_desc=f"{plane}:{len(ranks)}")
         if group is not None and rank in ranks:
-            groups.planes[group] = plane
             return group
         return None
 
@@ -191,6 +189,3 @@ def build_groups(rank: int, world: int, placement: str, rollout_ranks: int) -> G
         groups.publish = new([trainers[0]] + rollout, DATA_PLANE, "gloo")
     return groups
 
-
-def group_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)

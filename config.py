@@ -83,7 +83,7 @@ class Config:
     tag: Optional[bool] = field(None, "TAG: an idle trainer generates fragments itself when the predictor says "
                                 "the step ends sooner")
     use_async: Optional[bool] = field(None, "TCSS: rollout may generate the next batch with weights one version "
-                                      "old", flag="async")
+                                      "old (--async is accepted too)", flag="tcss", aliases=("async",))
     max_stale_fragments: Optional[int] = field(None, "j: at most this many fragments per step generated one "
                                                "version stale (TCSS); unset = one per rollout rank. Larger hides "
                                                "more of the weight round trip, but more of each batch is trained "
@@ -210,14 +210,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(description="digenrl: disaggregated Flow-GRPO for diffusion models",
                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in dataclasses.fields(Config):
-        flag = "--" + f.metadata.get("flag", f.name).replace("_", "-")
+        flags = ["--" + name.replace("_", "-") for name in (f.metadata.get("flag", f.name),
+                                                               *f.metadata.get("aliases", ()))]
         kind = f.type if isinstance(f.type, str) else f.type.__name__
         if kind in ("bool", "Optional[bool]"):
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
                                 help=f.metadata["help"])
         else:
             caster = {"int": int, "Optional[int]": int, "float": float, "Optional[float]": float}.get(kind, str)
-            parser.add_argument(flag, dest=f.name, type=caster, default=f.default, help=f.metadata["help"])
+            parser.add_argument(*flags, dest=f.name, type=caster, default=f.default, help=f.metadata["help"])
     return parser
 
 
@@ -327,10 +328,18 @@ def _bad(message: str):
 def validate(c: Config, world_size: int) -> None:
     """Raise ValueError naming the first bad value. Cheap checks only; runs before spawning ranks."""
     import models
-    import rewards
 
     family = models.get_family(c.model)
     family.check_frames(c.frames)
+    _check_numbers(c)
+    _check_choices(c)
+    _check_model(c, family)
+    _check_logging(c)
+    _check_placement(c, world_size)
+    _check_inputs(c, family, world_size)
+
+
+def _check_numbers(c: Config) -> None:
     for name in ("steps", "prompts_per_step", "group_size", "fragment_groups", "tsp_pack", "threads",
                  "keep_checkpoints", "nproc", "eval_seeds") + (("lora_rank",) if c.lora else ()):
         if getattr(c, name) < 1:
@@ -342,7 +351,8 @@ def validate(c: Config, world_size: int) -> None:
     if not 0 < c.timestep_fraction <= 1:
         _bad(f"--timestep-fraction must be in (0, 1], got {c.timestep_fraction}")
     from rollout import SamplingConfig, num_train_timesteps
-    num_train_timesteps(SamplingConfig(c.num_steps, c.noise_level, c.timestep_fraction, c.algo))  # T_train >= 1
+    num_train_timesteps(SamplingConfig(num_steps=c.num_steps, noise_level=c.noise_level,
+                                       timestep_fraction=c.timestep_fraction, algo=c.algo))  # T_train >= 1
     for name in ("lr", "clip_range", "max_grad_norm", "timeout_s", "adv_clip"):
         value = getattr(c, name)
         if not (math.isfinite(value) and value > 0):
@@ -353,6 +363,9 @@ def validate(c: Config, world_size: int) -> None:
         _bad(f"--prompt-cache-size must be >= 0 (0 = no cache), got {c.prompt_cache_size}")
     if c.beta < 0 or c.max_stale_fragments < 0 or c.eval_every < 0 or c.save_every < 0 or c.max_bad_steps < 1:
         _bad("--beta, --max-stale-fragments, --eval-every and --save-every must be >= 0 and --max-bad-steps >= 1")
+
+
+def _check_choices(c: Config) -> None:
     if c.optimizer not in ("adamw", "sgd"):
         _bad(f"--optimizer {c.optimizer!r} is not one of adamw, sgd")
     if c.algo not in ("flow_grpo", "dance_grpo"):
@@ -361,20 +374,6 @@ def validate(c: Config, world_size: int) -> None:
         _bad(f"--backend {c.backend!r} is not one of auto, nccl, gloo")
     if c.backend == "nccl" and c.device == "cpu":
         _bad("--backend nccl needs CUDA tensors; with --device cpu use --backend gloo (or auto)")
-    from models import lora
-    lora.check_targets_spec(c.lora_targets)
-    if c.eval_prompts < 0:
-        _bad(f"--eval-prompts must be >= 0 (0 = all), got {c.eval_prompts}")
-    if c.init_lora is not None and c.resume is None:  # a resumed run starts from its checkpoint
-        path = models.resolve_pretrained(c.model, c.pretrained) if c.pretrained else models.tiny_pipeline_path(
-            c.model, c.cache_dir)
-        lora.check_init_lora(c.init_lora, c.lora, c.lora_rank, c.lora_alpha, family, path, c.lora_targets)
-    if c.wandb:
-        import importlib.util
-        if importlib.util.find_spec("wandb") is None:
-            _bad("--wandb needs the wandb package: pip install wandb")
-        from infra.tracking import check_wandb_login
-        check_wandb_login()
     if c.device not in ("auto", "cpu", "cuda"):
         _bad(f"--device {c.device!r} is not one of auto, cpu, cuda")
     if c.dtype not in ("auto", "float32", "bfloat16"):
@@ -383,6 +382,19 @@ def validate(c: Config, world_size: int) -> None:
         import torch
         if not torch.cuda.is_available():
             _bad("--device cuda was asked for but torch sees no CUDA device")
+
+
+def _check_model(c: Config, family) -> None:
+    import models
+
+    from models import lora
+    lora.check_targets_spec(c.lora_targets)
+    if c.eval_prompts < 0:
+        _bad(f"--eval-prompts must be >= 0 (0 = all), got {c.eval_prompts}")
+    if c.init_lora is not None and c.resume is None:  # a resumed run starts from its checkpoint
+        path = models.resolve_pretrained(c.model, c.pretrained) if c.pretrained else models.tiny_pipeline_path(
+            c.model, c.cache_dir)
+        lora.check_init_lora(c.init_lora, c.lora, c.lora_rank, c.lora_alpha, family, path, c.lora_targets)
     if c.resolution and (c.resolution < 16 or c.resolution % 16):
         _bad(f"--resolution must be a multiple of 16 (>= 16), got {c.resolution}")
     if c.width and (c.width < 16 or c.width % 16):
@@ -394,6 +406,18 @@ def validate(c: Config, world_size: int) -> None:
     if named is not None and named != c.model:
         _bad(f"--model {c.model} but --pretrained {c.pretrained!r} is a {named} pipeline (its model_index.json); "
              f"pass --model {named} or leave --model out")
+
+
+def _check_logging(c: Config) -> None:
+    if c.wandb:
+        import importlib.util
+        if importlib.util.find_spec("wandb") is None:
+            _bad("--wandb needs the wandb package: pip install wandb")
+        from infra.tracking import check_wandb_login
+        check_wandb_login()
+
+
+def _check_placement(c: Config, world_size: int) -> None:
     if c.prompts_per_step % c.fragment_groups:
         _bad(f"--fragment-groups {c.fragment_groups} must divide --prompts-per-step {c.prompts_per_step} "
              "(a fragment is a whole number of groups and a step a whole number of fragments)")
@@ -406,7 +430,7 @@ def validate(c: Config, world_size: int) -> None:
             _bad(f"--rollout-ranks {c.rollout_ranks} must be between 1 and {world_size - 1} for {world_size} ranks "
                  "(at least one rank must train)")
     elif any((c.gap, c.tsp, c.tag, c.use_async)):
-        _bad("--gap, --tsp, --tag and --async need --placement disaggregated (colocated ranks do both jobs)")
+        _bad("--gap, --tsp, --tag and --tcss need --placement disaggregated (colocated ranks do both jobs)")
     if c.fsdp and not c.tsp:
         _bad("--fsdp needs --tsp: FSDP requires every trainer to run the same number of passes, which only TSP "
              "guarantees")
@@ -418,6 +442,13 @@ def validate(c: Config, world_size: int) -> None:
     if c.tag and not (c.gap and c.tsp):
         _bad("--tag needs --gap and --tsp (the trainer group generates while it waits for streamed fragments, "
              "then trains them spread over all trainers)")
+
+
+def _check_inputs(c: Config, family, world_size: int) -> None:
+    """--rank-speed, rewards and prompts (a remote reward server gets one request), --pretrained, the run dir."""
+    import models
+    import rewards
+
     from infra import emulate
     emulate.check_rank_speed(c.rank_speed, world_size)
     rewards.check_reward_options(c.reward, reward_options(c))

@@ -18,7 +18,8 @@ in float32): every (sample, timestep) pair carries weight 1/(N T_train) and grad
 Departures from the paper: claiming is pull-based through the store (the paper schedules centrally);
 advantages are normalised per group so that a fragment is self-contained.
 
-Try it: `python main.py --placement disaggregated --gap` (or `--mode digenrl`); without `--gap` the
+Try it: `python3 gap.py` (alone, fake ranks: fragments trained as they arrive); in a run,
+`python main.py --placement disaggregated --gap` (or `--mode digenrl`); without `--gap` the
 trainer receives the whole batch before training (`--mode naive`).
 Only torch and the standard library are imported: this file can be copied into another codebase.
 """
@@ -29,13 +30,6 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
-import torch.distributed as dist
-
-HEADER_LEN = 160
-MAGIC = 0x6469_6765  # "dige"
-MAX_DIMS = 7
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.float64]
-
 
 @dataclasses.dataclass
 class FragmentSpec:
@@ -89,25 +83,26 @@ class Fragment:
         return out
 
     def to(self, device) -> "Fragment":
-        return _from_tensors(self._ints(), {k: v.to(device) for k, v in self.tensors().items()})
+        return Fragment.from_parts(self.ints(), {k: v.to(device) for k, v in self.tensors().items()})
 
-    def _ints(self) -> list[int]:
+    def ints(self) -> list[int]:
+        """The header fields, in the order from_parts (and the wire format, transport.py) reads them."""
         return [self.step, self.first_group, self.policy_version, self.producer, self.group_size]
 
-
-def _from_tensors(ints: list[int], tensors: dict[str, torch.Tensor]) -> Fragment:
-    cond = {k[len("cond."):]: v for k, v in tensors.items() if k.startswith("cond.")}
-    plain = {k: v for k, v in tensors.items() if not k.startswith("cond.")}
-    step, first_group, version, producer, group_size = ints
-    return Fragment(step=step, first_group=first_group, policy_version=version, producer=producer,
-                    group_size=group_size, cond=cond, **plain)
+    @staticmethod
+    def from_parts(ints: list[int], tensors: dict[str, torch.Tensor]) -> "Fragment":
+        cond = {k[len("cond."):]: v for k, v in tensors.items() if k.startswith("cond.")}
+        plain = {k: v for k, v in tensors.items() if not k.startswith("cond.")}
+        step, first_group, version, producer, group_size = ints
+        return Fragment(step=step, first_group=first_group, policy_version=version, producer=producer,
+                        group_size=group_size, cond=cond, **plain)
 
 
 def concat_fragments(parts: list[Fragment]) -> Fragment:
     """Join sub-fragments of consecutive groups (in group order) back into one fragment."""
     tensors = [p.tensors() for p in parts]
     joined = {k: torch.cat([t[k] for t in tensors]) for k in tensors[0]}
-    return _from_tensors(parts[0]._ints(), joined)
+    return Fragment.from_parts(parts[0].ints(), joined)
 
 
 # --- batch -> fragments ----------------------------------------------------------------------
@@ -191,6 +186,11 @@ class FragmentQueue:
             time.sleep(self.poll_s)
         return found
 
+    def forget_old(self, step: int) -> None:
+        """At the end of step `step`: every rank is past step - 2 (rollout ranks run at most one ahead)."""
+        if step >= 2:
+            self.forget(step - 2)
+
     def forget(self, step: int) -> None:
         """Delete step `step`'s keys once every rank is past it: the store must not grow per step."""
         announced = range(self.num_announced(step))
@@ -199,9 +199,80 @@ class FragmentQueue:
             self.store.delete_key(key)
 
 
-# --- GAP's two ends ---------------------------------------------------------------------------
+# --- the 1/(N T_train) weighting ------------------------------------------------------------------------
+def total_pairs(groups_per_step: int, group_size: int, num_train_timesteps: int) -> int:
+    """N T_train: the (sample, timestep) pairs of one whole batch."""
+    return groups_per_step * group_size * num_train_timesteps
+
+
+def pair_weights(mask: torch.Tensor, num_pairs: int) -> torch.Tensor:
+    """Each real pair's loss weight 1/(N T_train) (0 for padding): whichever rank trains whichever pair, in
+    whatever packing and order, the summed gradient is the full-batch mean's gradient."""
+    return mask / num_pairs  # [p]
+
+
+# --- the rollout side: claim, generate, announce, send ----------------------------------------------------
+class FixedWeights:
+    """The rollout side's weights when nothing publishes new ones (one process, the demo): always version
+    `step`. tcss.RolloutWeights is the real one (a mailbox, swaps between fragments, generate-ahead)."""
+
+    def wait_for(self, step: int) -> None:
+        pass
+
+    def between_fragments(self) -> None:
+        pass
+
+    def version(self, step: int, ahead: bool) -> int:
+        return step
+
+    def after_claims(self, step: int, last_step: int, claim: Callable[[int], tuple[int, int] | None],
+                     produce: Callable[[int, tuple[int, int]], None]) -> None:
+        pass
+
+
+def rollout_loop(*, rank: int, steps: range, queue: FragmentQueue, fragment_groups: int,
+                 generate: Callable[[int, int, int, int], Fragment], send: Callable[[Fragment, int], None],
+                 destination_of: Callable[[int], int], weights=None) -> None:
+    """A rollout rank: per step, claim `fragment_groups` groups at a time until none are left; generate each
+    claim with generate(step, first_group, num_groups, version), announce it, send it to its destination
+    (the next generation starts at once: `send` queues). `weights` (FixedWeights, tcss.RolloutWeights) says
+    which version generates and when new weights come in: only ever between fragments."""
+    weights = weights if weights is not None else FixedWeights()
+
+    def produce(step: int, claimed: tuple[int, int], ahead: bool = False) -> None:
+        version = weights.version(step, ahead)
+        fragment = generate(step, claimed[0], claimed[1], version)
+        _, dst = queue.announce(step, fragment.first_group, fragment.num_groups, rank, destination_of)
+        send(fragment, dst)
+
+    def produce_ahead(step: int, claimed: tuple[int, int]) -> None:
+        produce(step, claimed, ahead=True)
+
+    def claim(step: int) -> tuple[int, int] | None:
+        return queue.claim(step, fragment_groups)
+
+    for step in steps:
+        weights.wait_for(step)
+        for claimed in claims(queue, step, fragment_groups, before_each=weights.between_fragments):
+            produce(step, claimed)
+        weights.after_claims(step, steps.stop - 1, claim, produce_ahead)  # TCSS: generate ahead
+
+
+def claims(queue: FragmentQueue, step: int, fragment_groups: int,
+           before_each: Callable[[], object] = lambda: None) -> Iterator[tuple[int, int]]:
+    """Claim `fragment_groups` groups of `step` at a time until none are left; each claim is generated and
+    streamed before the next one is taken."""
+    while True:
+        before_each()  # e.g. swap in new weights: only ever between fragments
+        claimed = queue.claim(step, fragment_groups)
+        if claimed is None:
+            return
+        yield claimed
+
+
+# --- the trainer side: receive and train as fragments arrive ----------------------------------------------
 def consume(fragments: Iterable[Fragment], train: Callable[[Fragment], None], streaming: bool) -> None:
-    """The trainer side of GAP: train each fragment as it arrives, or (the naive barrier) after the batch."""
+    """Train each fragment as it arrives (GAP), or (the naive barrier) after the whole batch."""
     if streaming:
         for fragment in fragments:
             train(fragment)
@@ -217,95 +288,111 @@ def dealt_fragments(queue: FragmentQueue, step: int, fragments_per_step: int, tr
         yield receive(queue.wait(step, seq))
 
 
-def claims(queue: FragmentQueue, step: int, fragment_groups: int,
-           before_each: Callable[[], object] = lambda: None) -> Iterator[tuple[int, int]]:
-    """The rollout side of GAP: claim `fragment_groups` groups of `step` at a time until none are left;
-    each claim is generated and streamed before the next one is taken."""
-    while True:
-        before_each()  # e.g. swap in new weights: only ever between fragments
-        claimed = queue.claim(step, fragment_groups)
-        if claimed is None:
-            return
-        yield claimed
+def nothing(*args) -> None:
+    """A hook that does nothing."""
 
 
-# --- point-to-point and broadcast of fragments (data plane: gloo groups, CPU tensors) --------
-# Two messages per fragment: a fixed-size int64 header (ints, dtypes, shapes, byte lengths), then ONE
-# uint8 buffer holding the names and every tensor's bytes (8-byte aligned). One large message costs
-# one latency instead of ~20; this matters on gloo/TCP where each message is a round trip.
-ALIGN = 8
+@dataclasses.dataclass
+class TrainerSide:
+    """What a trainer rank does, filled in by main.py: which fragments it trains in a step (dealt, or TSP's
+    lockstep), how it trains one, the optimizer step, publishing (TCSS), and the end of a step."""
+
+    fragments_of: Callable[[int], Iterable[Fragment]]
+    train: Callable[[Fragment], None]
+    optimizer_step: Callable[[int], dict]
+    version: Callable[[], int]
+    publish: Callable[[int], None]
+    end_step: Callable[[int, dict], None]
+    before_publish: Callable[[int], object] = nothing  # TAG: claim a share of the next batch
 
 
-def _aligned(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+def trainer_loop(side: TrainerSide, steps: range, streaming: bool) -> None:
+    """A trainer rank: per step, train the fragments as they arrive (GAP) or after the whole batch, one
+    optimizer step, publish the new weights, then log/evaluate/checkpoint (after publishing, so the rollout
+    ranks are not kept waiting)."""
+    side.publish(side.version())  # version 0, or the resumed one: rollout ranks take their first weights
+    for step in steps:
+        consume(side.fragments_of(step), side.train, streaming)
+        metrics = side.optimizer_step(step)
+        side.before_publish(step)
+        side.publish(side.version())
+        side.end_step(step, metrics)
 
 
-def _header(fragment: Fragment) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    tensors = fragment.tensors()
-    names = ",".join(tensors).encode()
-    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    chunks = [torch.frombuffer(bytearray(names.ljust(_aligned(len(names)), b" ")), dtype=torch.uint8)]
-    for i, t in enumerate(tensors.values()):
-        row = 9 + i * (2 + MAX_DIMS)
-        if t.ndim > MAX_DIMS or row + 2 + MAX_DIMS > HEADER_LEN:
-            raise ValueError(f"fragment has {len(tensors)} tensors / {t.ndim} dims: "
-                             "over the header's capacity")
-        header[row], header[row + 1] = _DTYPES.index(t.dtype), t.ndim
-        header[row + 2:row + 2 + t.ndim] = torch.tensor(t.shape)
-        raw = t.contiguous().reshape(-1).view(torch.uint8)
-        chunks += [raw, torch.zeros(_aligned(raw.numel()) - raw.numel(), dtype=torch.uint8)]
-    payload_bytes = sum(c.numel() for c in chunks)
-    header[:9] = torch.tensor([MAGIC, *fragment._ints(), len(tensors), len(names), payload_bytes])
-    return header, chunks
+def static_claims(groups_per_step: int, fragment_groups: int, rank: int, world: int,
+                  step: int) -> list[tuple[int, int]]:
+    """The colocated baseline's fixed share of a step: fragments rank, rank + world, ... (no queue)."""
+    return [(i * fragment_groups, fragment_groups)
+            for i in range(rank, num_fragments(groups_per_step, fragment_groups), world)]
 
 
-def _unpack(header: torch.Tensor, buffer: torch.Tensor) -> Fragment:
-    """Fragment whose tensors are views into `buffer` (the uint8 payload described by `header`)."""
-    if int(header[0]) != MAGIC:
-        raise RuntimeError(f"fragment header has magic {int(header[0]):#x}, expected {MAGIC:#x}: "
-                           "the streams are out of step")
-    ints = [int(x) for x in header[1:6]]
-    n_tensors, names_len = int(header[6]), int(header[7])
-    keys = bytes(buffer[:names_len].tolist()).decode().split(",")
-    offset, tensors = _aligned(names_len), {}
-    for i, key in enumerate(keys[:n_tensors]):
-        row = 9 + i * (2 + MAX_DIMS)
-        dtype, ndim = _DTYPES[int(header[row])], int(header[row + 1])
-        shape = [int(x) for x in header[row + 2:row + 2 + ndim]]
-        nbytes = torch.Size(shape).numel() * dtype.itemsize
-        tensors[key] = buffer[offset:offset + nbytes].view(dtype).reshape(shape)
-        offset += _aligned(nbytes)
-    return _from_tensors(ints, tensors)
+def colocated_loop(side: TrainerSide, steps: range, my_claims: Callable[[int], list[tuple[int, int]]],
+                   generate: Callable[[int, int, int, int], Fragment]) -> None:
+    """The colocated baseline (Flow-GRPO / veRL-Omni style), no pipeline: generate this rank's static share
+    of the batch, train it, then one optimizer step with gradients summed over every rank."""
+    for step in steps:
+        fragments = [generate(step, first, count, side.version()) for first, count in my_claims(step)]
+        for fragment in fragments:
+            side.train(fragment)
+        side.end_step(step, side.optimizer_step(step))
 
 
-def _transmit(fragment: Fragment, move) -> None:
-    header, chunks = _header(fragment.to("cpu"))
-    move(header)
-    move(torch.cat(chunks))  # [payload bytes] uint8
+# --- python3 gap.py: the mechanism alone, on fake ranks --------------------------------------------------
+def _demo_fragment(spec: FragmentSpec, version: int, producer: int, t_train: int, dim: int) -> Fragment:
+    """A stand-in for generation: latents from the spec's seeds, reward = the latent's first value."""
+    m = len(spec.prompt_ids)
+    x = torch.stack([torch.randn(t_train, dim, generator=torch.Generator().manual_seed(s))
+                     for s in spec.noise_seeds])  # [m, T_train, dim]
+    rewards = x[:, 0, 0]
+    grouped = rewards.reshape(-1, spec.group_size)
+    adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).reshape(-1)
+    zeros = torch.zeros(m, t_train)
+    return Fragment(spec.step, spec.first_group, version, producer, spec.group_size,
+                    torch.tensor(spec.prompt_ids), {"e": torch.zeros(m, 1)}, x, x, torch.zeros(m, t_train).long(),
+                    zeros, zeros, zeros, rewards, rewards[:, None], adv)
 
 
-def _receive(move) -> Fragment:
-    header = torch.empty(HEADER_LEN, dtype=torch.int64)
-    move(header)
-    buffer = torch.empty(int(header[8]), dtype=torch.uint8)
-    move(buffer)
-    return _unpack(header, buffer)
+def _demo() -> None:
+    import queue as queue_lib
+    import threading
+
+    import torch.distributed as dist
+
+    groups, group_size, t_train, dim, rollouts = 6, 2, 3, 4, 2
+    store = dist.HashStore()  # the job's TCPStore, in memory
+    queue = FragmentQueue(store, groups)
+    mailbox: queue_lib.Queue = queue_lib.Queue()  # the data plane: one trainer, fragments in arrival order
+    theta = torch.zeros(dim, requires_grad=True)  # the trainer's model: loss = -adv * <theta, x>
+    n_pairs = total_pairs(groups, group_size, t_train)
+
+    def generate(step: int, first: int, count: int, version: int, rank: int) -> Fragment:
+        spec = fragment_spec(0, step, first, count, 10, groups, group_size)
+        return _demo_fragment(spec, version, rank, t_train, dim)
+
+    def rollout(rank: int) -> None:
+        rollout_loop(rank=rank, steps=range(1), queue=queue, fragment_groups=1,
+                     generate=lambda s, f, c, v: generate(s, f, c, v, rank),
+                     send=lambda fragment, dst: mailbox.put(fragment), destination_of=lambda seq: 0)
+
+    def train(fragment: Fragment) -> None:
+        weights = pair_weights(torch.ones(fragment.num_samples, t_train), n_pairs)  # [m, T_train]
+        loss = -(fragment.advantages[:, None] * (fragment.latents @ theta) * weights).sum()
+        loss.backward()
+        print(f"  trained fragment of groups [{fragment.first_group}, {fragment.first_group + fragment.num_groups}) "
+              f"from rollout rank {fragment.producer}; gradient so far {theta.grad.norm():.4f}")
+
+    threads = [threading.Thread(target=rollout, args=(r,)) for r in range(rollouts)]
+    print(f"GAP: {rollouts} rollout ranks claim {groups} groups one at a time; the trainer trains each on arrival")
+    for t in threads:
+        t.start()
+    consume((mailbox.get() for _ in range(groups)), train, streaming=True)
+    for t in threads:
+        t.join()
+    whole = concat_fragments([generate(0, 0, groups, 0, 0)])
+    streamed, theta.grad = theta.grad.clone(), None
+    train(whole)
+    print(f"streamed gradient == full-batch gradient: {torch.allclose(streamed, theta.grad)}")
 
 
-def send_fragment(fragment: Fragment, dst: int, group=None) -> None:
-    _transmit(fragment, lambda t: dist.send(t, dst=dst, group=group))
-
-
-def recv_fragment(src: int, group=None) -> Fragment:
-    return _receive(lambda t: dist.recv(t, src=src, group=group))
-
-
-def broadcast_fragment(fragment: Fragment | None, src: int, group=None) -> Fragment:
-    """Every rank of `group` returns the fragment that global rank `src` holds."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return fragment
-    move = lambda t: dist.broadcast(t, src=src, group=group)  # noqa: E731
-    if dist.get_rank() == src:
-        _transmit(fragment, move)
-        return fragment
-    return _receive(move)
+if __name__ == "__main__":
+    _demo()

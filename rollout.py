@@ -1,25 +1,17 @@
-"""Rollout: generate one fragment (whole groups) -> SDE sampling, behaviour log-probs, decode, reward, advantages;
-and the rollout rank's loop.
+"""Rollout: what a generator is. One fragment (whole groups) -> SDE sampling, behaviour log-probs, decode,
+reward, advantages; and deterministic evaluation.
 
 `generate_fragment` is the one generation path, used by rollout ranks, by colocated ranks and by an
 idle trainer under TAG, so every producer makes the same trajectories from the same FragmentSpec.
-`run_rollout_rank` is the rollout rank in the disaggregated placement (docs/DESIGN.md section 4): per
-step, wait for the step's weights, then claim, generate and stream fragments (GAP, gap.produce), and
-with TCSS generate ahead into the next step (async_policy.generate_ahead). Fragments leave through a
-background sender thread, so the next generation starts at once.
+The rollout rank's loop (claim, generate, announce, send) is gap.rollout_loop; which weights generate
+and when new ones come in is tcss.RolloutWeights (main.py plugs both in).
 """
 from __future__ import annotations
 
 import dataclasses
-import queue as queue_lib
-import threading
-import time
-from collections.abc import Callable
 
 import torch
 
-import async_policy
-import gap
 import grpo
 from gap import Fragment, FragmentSpec
 
@@ -87,10 +79,14 @@ def sample_trajectories(policy, cond, init_seeds, noise_seeds, cfg: SamplingConf
         x = x_next
     if keep is None:
         return x, None
-    rows = range(m)
-    stack = lambda store: torch.stack([torch.stack([store[t][i] for t in keep[i]]) for i in rows])  # noqa: E731
     timestep_index = torch.tensor(keep, dtype=torch.long)  # [m, T_train]
-    return x, (stack(kept_x), stack(kept_next), stack(kept_logp), timestep_index, sigmas.cpu())
+    kept = [_per_trajectory(store, keep) for store in (kept_x, kept_next, kept_logp)]  # [m, T_train, ...] each
+    return x, (*kept, timestep_index, sigmas.cpu())
+
+
+def _per_trajectory(by_step: dict[int, torch.Tensor], keep: list[list[int]]) -> torch.Tensor:
+    """[m, T_train, ...]: trajectory i's values at its own kept steps keep[i] (by_step: step -> [m, ...])."""
+    return torch.stack([torch.stack([by_step[t][i] for t in slots]) for i, slots in enumerate(keep)])
 
 
 def generate_fragment(policy, spec: FragmentSpec, prompts: list[str], cfg: SamplingConfig, reward_fn,
@@ -106,15 +102,19 @@ def generate_fragment(policy, spec: FragmentSpec, prompts: list[str], cfg: Sampl
     total = scores["total"].to(torch.float32)
     parts = torch.stack([scores[k].to(torch.float32) for k in scores if k != "total"], dim=1)  # [m, n_rewards]
     advantages = grpo.group_advantages(total, spec.group_size, clip=cfg.adv_clip)  # [m]
-    cpu = lambda t: t.detach().to("cpu")  # noqa: E731  (fragments travel and wait on the host)
     return Fragment(
         step=spec.step, first_group=spec.first_group, policy_version=version, producer=producer,
         group_size=spec.group_size,
         prompt_ids=torch.tensor(spec.prompt_ids, dtype=torch.long),
-        cond={k: cpu(v) for k, v in cond.items()},
-        latents=cpu(x_t), next_latents=cpu(x_next), timestep_index=t_idx,
-        sigmas=sigmas[t_idx], sigmas_next=sigmas[t_idx + 1], log_probs=cpu(logp),
-        rewards=cpu(total), reward_parts=cpu(parts), advantages=cpu(advantages))
+        cond={k: _host(v) for k, v in cond.items()},
+        latents=_host(x_t), next_latents=_host(x_next), timestep_index=t_idx,
+        sigmas=sigmas[t_idx], sigmas_next=sigmas[t_idx + 1], log_probs=_host(logp),
+        rewards=_host(total), reward_parts=_host(parts), advantages=_host(advantages))
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """Fragments travel and wait on the host."""
+    return t.detach().to("cpu")
 
 
 # Evaluation seeds sit far above the training ones (gap.fragment_spec numbers them from (seed, step, index) upwards
@@ -141,68 +141,3 @@ def evaluate(policy, prompts: list[str], cfg: SamplingConfig, reward_fn, seed: i
     if metadata is None:
         return reward_fn(images, texts), images
     return reward_fn(images, texts, [m for m in metadata for _ in range(seeds_per_prompt)]), images
-
-
-# --- the rollout rank ------------------------------------------------------------------------------
-class Sender:
-    """A background thread that sends finished fragments (gloo, CPU tensors, a group no other thread uses
-    meanwhile), so generation of the next one starts at once."""
-
-    def __init__(self, group, tracer):
-        self.group, self.tracer, self.items, self.error = group, tracer, queue_lib.Queue(), None
-        self.thread = threading.Thread(target=self._run, name="fragment-sender", daemon=True)
-        self.thread.start()
-
-    def _run(self):
-        try:
-            while (item := self.items.get()) is not None:
-                fragment, dst = item
-                with self.tracer.span("send", step=fragment.step, first_group=fragment.first_group):
-                    gap.send_fragment(fragment, dst, group=self.group)
-        except BaseException as exc:  # noqa: BLE001  (re-raised on the main thread)
-            self.error = exc
-
-    def raise_if_failed(self) -> None:
-        if self.error is not None:
-            raise RuntimeError(f"fragment sender failed: {self.error}") from self.error
-
-    def put(self, fragment: Fragment, dst: int) -> None:
-        self.raise_if_failed()
-        self.items.put((fragment, dst))
-
-    def close(self) -> None:
-        """Send what is queued, then stop. No deadline: each send completes when its trainer receives it,
-        and a dead trainer ends the job through liveness."""
-        self.items.put(None)
-        self.thread.join()
-        self.raise_if_failed()
-
-
-def run_rollout_rank(*, rank: int, steps: range, queue: gap.FragmentQueue, fragment_groups: int,
-                     generate: Callable[[int, int, int, int, int], Fragment], mailbox: async_policy.Mailbox,
-                     params: list[torch.Tensor], sender: Sender, destination_of: Callable[[int], int], tracer,
-                     report_generation_s: Callable[[float, int], None],
-                     stale_budget: async_policy.StaleBudget | None = None) -> None:
-    """The rollout rank: batch k with weights version k, streamed fragment by fragment (GAP); with a
-    stale budget (TCSS), fragments of batch k + 1 with version k while version k + 1 is on its way."""
-
-    def produce(step: int, claimed: tuple[int, int], ahead: bool) -> None:
-        version = mailbox.held_version
-        async_policy.check_staleness(step, version, async_on=ahead)  # on-policy unless generated ahead
-        start = time.perf_counter()
-        fragment = generate(step, claimed[0], claimed[1], version, rank)
-        report_generation_s(time.perf_counter() - start, claimed[1])  # for TAG's predictor
-        _, dst = queue.announce(step, fragment.first_group, fragment.num_groups, rank, destination_of)
-        sender.put(fragment, dst)
-
-    for step in steps:
-        with tracer.span("wait", step=step, what="weights"):  # a failed send means the weights never come: raise
-            mailbox.wait_for(step, also_check=sender.raise_if_failed)
-        for claimed in gap.claims(queue, step, fragment_groups, before_each=lambda: mailbox.swap_into(params)):
-            produce(step, claimed, False)  # new weights are swapped in only between fragments
-        if stale_budget is not None:  # TCSS: batch `step` is fully claimed
-            async_policy.generate_ahead(step, steps.stop - 1, mailbox.latest_version, stale_budget.take,
-                                        claim=lambda s: queue.claim(s, fragment_groups),
-                                        produce=lambda s, c: produce(s, c, True))
-    sender.close()
-    mailbox.join()

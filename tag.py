@@ -28,7 +28,8 @@ group anyway and drops it (`assisted_generation(lockstep=True)`).
 Departures from the paper: claims are whole groups (the unit of a fragment), not single samples;
 in-flight fragments are assumed half done (ranks do not report progress).
 
-Try it: `python main.py --placement disaggregated --gap --tsp --tag` (logs `tag_fragments` per step).
+Try it: `python3 tag.py` (alone, fake ranks: a TAG claim); in a run,
+`python main.py --placement disaggregated --gap --tsp --tag` (logs `tag_fragments` per step).
 Only the standard library and torch are imported: this file can be copied into another codebase.
 """
 from __future__ import annotations
@@ -130,11 +131,6 @@ def assist_groups(state: StepState, margin_s: float = 0.0) -> int:
     return best_n if best_end + margin_s < baseline else 0
 
 
-def should_assist(state: StepState, margin_s: float = 0.0) -> bool:
-    """Assist only if some claim is predicted to end the step sooner by more than `margin_s`."""
-    return assist_groups(state, margin_s) > 0
-
-
 class RunningMean:
     """Exponential moving average of a duration; `value` is None before any sample."""
 
@@ -143,6 +139,22 @@ class RunningMean:
 
     def update(self, seconds: float) -> None:
         self.value = seconds if self.value is None else (1 - self.weight) * self.value + self.weight * seconds
+
+
+class RolloutTimes:
+    """Rollout ranks report how long a group took (a store key per rank); the leader reads the mean, in
+    seconds per fragment of `fragment_groups` groups: the predictor's gen_rollout_s."""
+
+    def __init__(self, store, ranks: list[int], fragment_groups: int):
+        self.store, self.ranks, self.fragment_groups = store, ranks, fragment_groups
+
+    def report(self, rank: int, seconds: float, groups: int) -> None:
+        self.store.set(f"gen/{rank}", f"{seconds / groups}")
+
+    def per_fragment_s(self) -> float | None:
+        reported = [f"gen/{r}" for r in self.ranks if self.store.check([f"gen/{r}"])]
+        per_group = [float(self.store.get(key)) for key in reported]
+        return sum(per_group) / len(per_group) * self.fragment_groups if per_group else None
 
 
 def split_groups(num_groups: int, world: int, rank: int) -> tuple[int, int]:
@@ -160,9 +172,9 @@ class Assistant:
 
     def __init__(self, groups_per_step: int, fragment_groups: int, rollout_ranks: int, trainers: int, quantum: int,
                  claim: Callable, claimed: Callable, announced_groups: Callable, rollout_gen_s: Callable,
-                 poll_s: float = 0.001):
+                 poll_s: float = 0.001, steps: int | None = None):
         self.groups_per_step, self.fragment_groups, self.rollout_ranks = groups_per_step, fragment_groups, rollout_ranks
-        self.trainers, self.quantum, self.poll_s = trainers, quantum, poll_s
+        self.trainers, self.quantum, self.poll_s, self.steps = trainers, quantum, poll_s, steps
         self.claim, self.claimed = claim, claimed
         self.announced_groups, self.rollout_gen_s = announced_groups, rollout_gen_s
         self.gen_trainer, self.train = RunningMean(), RunningMean()  # seconds per group
@@ -199,18 +211,19 @@ class Assistant:
         self.taken[step] += claimed[1]
         return True
 
-    def next_command(self, step: int, poll: Callable[[int], bool], train_cmd: int, generate_cmd: int):
-        """The leader's decision for tsp.lockstep_fragments: train what has arrived, else generate claimed
-        groups, else claim a share if the predictor says so, else wait."""
-        def next_command(next_seq: int, groups_done: int):
+    def strategy(self, step: int, poll: Callable[[int], bool], train_cmd: int, produce_cmd: int):
+        """The leader's `decide` for tsp.lockstep_fragments: train what has arrived, else generate claimed
+        groups, else claim a share if the predictor says so, else wait. (The command numbers are TSP's,
+        passed in so that this file stays self-contained.)"""
+        def decide(next_seq: int, groups_done: int) -> tuple[int, int, int]:
             while True:
                 if poll(next_seq):
                     return train_cmd, next_seq, 0
                 if self.pending[step] or self.consider(step, groups_done):
                     first, count = self.pending[step].pop(0)
-                    return generate_cmd, first, count
+                    return produce_cmd, first, count
                 time.sleep(self.poll_s)
-        return next_command
+        return decide
 
     def generated_groups(self, step: int, groups: int, seconds: float) -> None:
         self.generated[step] += groups
@@ -218,6 +231,14 @@ class Assistant:
 
     def trained_groups(self, groups: int, seconds: float) -> None:
         self.train.update(seconds / max(groups, 1))
+
+    def trained(self, fragment, seconds: float) -> None:
+        self.trained_groups(fragment.num_groups, seconds)
+
+    def before_publish(self, step: int) -> None:
+        """Right before publishing step + 1's weights: the rollout ranks are about to claim all of step + 1."""
+        if self.steps is None or step + 1 < self.steps:
+            self.consider(step + 1, 0, before_publish=True)
 
     def published(self, seconds: float) -> None:
         self.publish.update(seconds)
@@ -245,3 +266,33 @@ def assisted_generation(first_group: int, num_groups: int, trainers: int, me: in
     owners = [r for r in range(trainers)
               if split_groups(num_groups, trainers, r)[1] > split_groups(num_groups, trainers, r)[0]]
     return concat([share(mine if r == me else None, r) for r in owners])
+
+
+# --- python3 tag.py: the mechanism alone, on a scripted step -----------------------------------------------
+def _demo() -> None:
+    groups, claimed = 8, {"n": 1}  # the rollout rank has claimed group 0 already
+
+    def claim(step: int, n: int) -> tuple[int, int] | None:  # the queue's atomic claim (gap.FragmentQueue)
+        first = claimed["n"]
+        claimed["n"] = min(first + n, groups)
+        return (first, claimed["n"] - first) if first < groups else None
+
+    assistant = Assistant(groups_per_step=groups, fragment_groups=1, rollout_ranks=1, trainers=2, quantum=1,
+                          claim=claim, claimed=lambda step: claimed["n"], announced_groups=lambda step: 0,
+                          rollout_gen_s=lambda: 1.0)  # the rollout rank reported 1 s per group
+    assistant.trained_groups(groups=1, seconds=0.1)  # training one group took 0.1 s on the trainer group
+    state = assistant.state(step=0, groups_done=0)
+    print("TAG: 1 rollout rank at 1 s/group, 2 idle trainers; predicted step end by groups the trainers claim:")
+    for n in range(0, 5):
+        print(f"  claim {n}: the step ends in {predict_step_end(state, n):.2f} s")
+    decide = assistant.strategy(0, poll=lambda seq: False, train_cmd=0, produce_cmd=1)
+    kind, first, count = decide(0, 0)
+    print(f"the leader claims groups [{first}, {first + count}) for the trainers (command {kind}: generate); "
+          f"a trainer generates {split_groups(count, 2, 0)} and {split_groups(count, 2, 1)} of them")
+    bound = StepState(unclaimed=6, in_flight=1, waiting=0, rollout_ranks=1, gen_rollout_s=1.0, gen_trainer_s=1.0,
+                      train_s=2.0)
+    print(f"when training is the bottleneck (2 s/group) it declines: claim {assist_groups(bound)}")
+
+
+if __name__ == "__main__":
+    _demo()

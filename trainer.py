@@ -1,10 +1,11 @@
-"""Trainer: loss over (sample, timestep) pairs, gradient accumulation, clipping, AdamW, one step per batch;
-and the trainer rank's loop and the colocated rank's loop.
+"""Trainer: what a trainer is. Loss over (sample, timestep) pairs, gradient accumulation, clipping, AdamW,
+one step per batch; checkpoints; FSDP2 sharding.
 
-Every pair carries weight 1/(N T_train) (docs/DESIGN.md section 3), so whichever rank trains whichever
-pair, in whatever packing and order, the summed gradient is the full-batch mean's gradient. Which
-fragments reach this rank and which of their pairs it trains is decided by the mechanisms main.py
-plugs in (gap.consume, tsp.lockstep_fragments / gap.dealt_fragments, tag.Assistant); this file trains.
+Every pair carries weight 1/(N T_train) (gap.pair_weights, docs/DESIGN.md section 3), so whichever rank
+trains whichever pair, in whatever packing and order, the summed gradient is the full-batch mean's
+gradient; a stale pair's PPO ratio is against its recorded log-prob (tcss.behaviour_log_prob). Which
+fragments reach this rank and which of their pairs it trains is decided by the mechanisms main.py plugs
+in (gap.trainer_loop, tsp.lockstep_fragments / gap.dealt_fragments, tag.Assistant); this file trains.
 Gradients are summed on the compute plane (comm.py: device tensors, main thread); metrics go over
 the trainers' data group (gloo, CPU).
 """
@@ -15,16 +16,16 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterable
+from typing import ContextManager
 
 import torch
 import torch.distributed as dist
 
-import async_policy
 import gap
 import grpo
 import models
 import tag
-from infra import emulate
+import tcss
 from rollout import step_fn
 from tsp import gather_pairs
 
@@ -41,6 +42,13 @@ class TrainConfig:
     algo: str = "flow_grpo"
     max_bad_steps: int = 3
     optimizer: str = "adamw"  # or "sgd": plain gradient descent, the update is exactly -lr x gradient
+
+    @staticmethod
+    def of(cfg) -> "TrainConfig":
+        """From the run's config.Config (Adam's eps stays at its default)."""
+        return TrainConfig(lr=cfg.lr, weight_decay=cfg.weight_decay, clip_range=cfg.clip_range,
+                           max_grad_norm=cfg.max_grad_norm, beta=cfg.beta, noise_level=cfg.noise_level,
+                           algo=cfg.algo, max_bad_steps=cfg.max_bad_steps, optimizer=cfg.optimizer)
 
 
 class MetricSums:
@@ -97,6 +105,9 @@ class Trainer:
         self.version = 0  # the weights version this trainer holds (= optimizer steps taken)
         self.bad_steps_in_a_row = 0
         self.metrics = MetricSums()
+
+    def current_version(self) -> int:
+        return self.version
 
     def _inside(self, name: str):
         return self.progress.inside(name) if self.progress is not None else contextlib.nullcontext()
@@ -157,8 +168,7 @@ class Trainer:
         v = policy.velocity(batch["latents"], batch["sigma"], batch["cond"])  # [p, ...] float32
         _, logp, mean, std = self.step_fn(v, batch["latents"], batch["sigma"], batch["sigma_next"],
                                           self.cfg.noise_level, prev_sample=batch["next_latents"])
-        # On-policy: old = detached current (ratio exactly 1, same gradient); stale (TCSS): the behaviour log-prob.
-        old = batch["old_log_prob"].to(logp.device) if stale else logp.detach()
+        old = tcss.behaviour_log_prob(logp, batch["old_log_prob"], stale)  # TCSS's stale-pair rule
         adv = batch["advantages"].to(logp.device)
         loss, stats = grpo.policy_loss(logp, old, adv, self.cfg.clip_range, weights)
         if self.cfg.beta > 0:
@@ -173,12 +183,12 @@ class Trainer:
 
     def accumulate(self, fragment, packs, masks, total_pairs: int) -> None:
         """Forward+backward over this rank's packs of a fragment; gradients add into .grad."""
-        stale = async_policy.check_staleness(self.version, fragment.policy_version, async_on=True) == 1
+        stale = tcss.check_staleness(self.version, fragment.policy_version, async_on=True) == 1
         kind = "stale" if stale else "fresh"
         for pack, mask in zip(packs, masks):
             batch = gather_pairs(fragment, pack)
             mask_t = torch.tensor(mask, dtype=torch.float32, device=self.policy.device)  # [p]
-            weights = mask_t / total_pairs  # 1/(N T_train) per real pair, 0 for padding
+            weights = gap.pair_weights(mask_t, total_pairs)  # 1/(N T_train) per real pair, 0 for padding
             loss, stats, logp = self.pair_loss(batch, weights, stale)
             loss.backward()
             self._bump()
@@ -304,54 +314,26 @@ def _like(whole: torch.Tensor, param) -> torch.Tensor:
     return whole.to(param.device, param.dtype)
 
 
-# --- the rank loops ----------------------------------------------------------------------------------
+# --- one fragment ---------------------------------------------------------------------------------------
 def train_fragment(trainer: Trainer, fragment: gap.Fragment, *, pairs_of: Callable, total_pairs: int, count: bool,
-                   async_on: bool, reward_names: list[str], tracer, on_trained: Callable | None = None,
-                   speed: float = 1.0) -> None:
+                   async_on: bool, reward_names: list[str], tracer=None, on_trained: Callable | None = None,
+                   pace: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
     """Train this rank's share of a fragment: pairs_of(m, T_train) -> (packs, masks) is TSP's share or the
-    per-timestep loop. `count` on exactly one trainer per fragment (its rewards enter the metrics once)."""
-    async_policy.check_staleness(trainer.version, fragment.policy_version, async_on)  # the TCSS bound
+    per-timestep loop. `count` on exactly one trainer per fragment (its rewards enter the metrics once).
+    `tracer` (a "train" span) and `pace` (infra/emulate.py's benchmark emulation) hook in from outside."""
+    tcss.check_staleness(trainer.version, fragment.policy_version, async_on)  # the TCSS bound
     if count:
         trainer.count_fragment(fragment, reward_names)
     packs, masks = pairs_of(*fragment.latents.shape[:2])
     start = time.perf_counter()
     pairs = sum(int(sum(mask)) for mask in masks)  # real pairs (TSP padding excluded)
     slots = sum(len(mask) for mask in masks)  # what the passes cost: padding included
-    with tracer.span("train", step=fragment.step, first_group=fragment.first_group, pairs=pairs, slots=slots):
-        with emulate.paced(speed):  # --rank-speed: the benchmark's emulation of a slower rank
-            trainer.accumulate(fragment.to(trainer.policy.device), packs, masks, total_pairs)
+    span = tracer.span("train", step=fragment.step, first_group=fragment.first_group, pairs=pairs, slots=slots) \
+        if tracer is not None else contextlib.nullcontext()
+    with span, pace():
+        trainer.accumulate(fragment.to(trainer.policy.device), packs, masks, total_pairs)
     if on_trained is not None:
         on_trained(fragment, time.perf_counter() - start)
-
-
-def run_trainer_rank(trainer: Trainer, *, steps: range, fragments_of: Callable[[int], Iterable[gap.Fragment]],
-                     streaming: bool, train: Callable[[gap.Fragment], None], optimizer_step: Callable[[int], dict],
-                     publish: Callable[[int], None], end_step: Callable[[int, dict], None],
-                     before_publish: Callable[[int], None] | None = None) -> None:
-    """A trainer rank of the disaggregated placement: per step, train the fragments as they arrive (GAP)
-    or after the whole batch, one optimizer step, publish the new weights, then log/evaluate/checkpoint
-    (after publishing, so the rollout ranks are not kept waiting)."""
-    publish(trainer.version)  # version 0, or the resumed one: rollout ranks take their first weights from it
-    for step in steps:
-        gap.consume(fragments_of(step), train, streaming)
-        metrics = optimizer_step(step)
-        if before_publish is not None:
-            before_publish(step)  # TAG: take a share of the next batch before the rollout ranks claim it all
-        publish(trainer.version)
-        end_step(step, metrics)
-    publish(async_policy.STOP)
-
-
-def run_colocated_rank(trainer: Trainer, *, steps: range, my_claims: Callable[[int], list[tuple[int, int]]],
-                       generate: Callable[[int, int, int, int], gap.Fragment], train: Callable[[gap.Fragment], None],
-                       optimizer_step: Callable[[int], dict], end_step: Callable[[int, dict], None]) -> None:
-    """A colocated rank (Flow-GRPO / veRL-Omni style): generate its static share of the batch, train it,
-    then one optimizer step with gradients summed over every rank."""
-    for step in steps:
-        fragments = [generate(step, first, count, trainer.version) for first, count in my_claims(step)]
-        for fragment in fragments:
-            train(fragment)
-        end_step(step, optimizer_step(step))
 
 
 def shard_for_fsdp(policy, compute_group, keep_reference: bool) -> None:

@@ -19,7 +19,8 @@ what the group does next (train the next announced fragment, or, with TAG, gener
 claimed), broadcasts that small command over the trainers' data group, and every trainer gets the
 same fragment (the leader receives it and broadcasts it), then trains its own share of its pairs.
 
-Try it: `python main.py --placement disaggregated --gap --tsp --tsp-pack 4`. Without `--tsp`, whole
+Try it: `python3 tsp.py` (alone, fake ranks: packs per trainer); in a run,
+`python main.py --placement disaggregated --gap --tsp --tsp-pack 4`. Without `--tsp`, whole
 fragments are dealt to trainers and trained with the per-timestep loop (`per_timestep_packs`).
 Only torch and the standard library are imported: this file can be copied into another codebase.
 """
@@ -30,7 +31,6 @@ import time
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.distributed as dist
 
 Pair = tuple[int, int]  # (sample index in the fragment, trained-timestep slot)
 
@@ -60,6 +60,15 @@ def tsp_packs(num_samples: int, num_train_timesteps: int, rank: int, world: int,
     return packs, masks
 
 
+def trainer_packs(num_samples: int, num_train_timesteps: int, rank: int, world: int, pack: int,
+                  spread: bool = True) -> tuple[list[list[Pair]], list[list[float]]]:
+    """What a trainer trains of a fragment: its TSP share (`spread`), else the whole fragment per timestep."""
+    if spread:
+        return tsp_packs(num_samples, num_train_timesteps, rank, world, pack)
+    packs = per_timestep_packs(num_samples, num_train_timesteps)
+    return packs, [[1.0] * len(p) for p in packs]
+
+
 def gather_pairs(fragment, pairs: list[Pair]) -> dict[str, torch.Tensor]:
     """Stack the tensors of `pairs` of a fragment into one batch (per-sample timesteps)."""
     samples = torch.tensor([i for i, _ in pairs], dtype=torch.long)
@@ -83,44 +92,78 @@ def num_passes(num_samples: int, num_train_timesteps: int, world: int, pack: int
 
 
 # --- the lockstep protocol of the trainer group --------------------------------------------------
-TRAIN, GENERATE = 0, 1  # commands: train announced fragment `a`; generate groups [a, a + b) (TAG)
+TRAIN, PRODUCE = 0, 1  # commands: train announced fragment `a`; produce groups [a, a + b) here (e.g. TAG)
+Command = tuple[int, int, int]  # (kind, a, b)
 
 
-def broadcast_command(command: tuple[int, int, int] | None, src: int, group) -> tuple[int, int, int]:
-    """The leader's (kind, a, b) to every trainer (data plane: a CPU tensor on a gloo group)."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return command
-    message = torch.tensor(command if command is not None else (0, 0, 0), dtype=torch.int64)
-    dist.broadcast(message, src=src, group=group)
-    return tuple(int(x) for x in message)
-
-
-def wait_for_arrival(poll: Callable[[int], bool], poll_s: float = 0.001) -> Callable[[int, int], tuple[int, int, int]]:
-    """The leader's decision without TAG: wait (no deadline) until announcement `next_seq` exists."""
-    def next_command(next_seq: int, groups_done: int) -> tuple[int, int, int]:
+def wait_for_arrival(poll: Callable[[int], bool], poll_s: float = 0.001) -> Callable[[int, int], Command]:
+    """The leader's default strategy: wait (no deadline) until announcement `next_seq` exists, train it."""
+    def decide(next_seq: int, groups_done: int) -> Command:
         while not poll(next_seq):
             time.sleep(poll_s)
         return TRAIN, next_seq, 0
-    return next_command
+    return decide
 
 
-def lockstep_fragments(groups_per_step: int, is_leader: bool,
-                       next_command: Callable[[int, int], tuple[int, int, int]],
-                       share_command: Callable[[tuple | None], tuple[int, int, int]],
+def lockstep_fragments(groups_per_step: int, is_leader: bool, decide: Callable[[int, int], Command] | None,
+                       share_command: Callable[[Command | None], Command],
                        receive: Callable[[int], object], share_fragment: Callable[[object], object],
-                       generate: Callable[[int, int], object]) -> Iterator:
+                       produce: Callable[[int, int], object]) -> Iterator:
     """Every trainer iterates the same fragments of one step, in the same order, until all groups are in.
 
-    next_command(next_seq, groups_done) runs on the leader only (it may wait); receive(seq) is the
-    leader's receive of announced fragment `seq`; share_fragment broadcasts the leader's copy to the
-    group; generate(first_group, num_groups) is TAG's assisted generation, run by every trainer."""
+    decide(next_seq, groups_done) is the leader's strategy (wait_for_arrival, or tag.Assistant's); it runs on
+    the leader only and may wait. share_command broadcasts its command (transport.broadcast_command);
+    receive(seq) is the leader's receive of announced fragment `seq`; share_fragment broadcasts the leader's
+    copy to the group; produce(first_group, num_groups) runs on every trainer for a PRODUCE command."""
     next_seq, groups_done = 0, 0
     while groups_done < groups_per_step:
-        kind, a, b = share_command(next_command(next_seq, groups_done) if is_leader else None)
+        kind, a, b = share_command(decide(next_seq, groups_done) if is_leader else None)
         if kind == TRAIN:
             fragment = share_fragment(receive(a) if is_leader else None)
             next_seq += 1
         else:
-            fragment = generate(a, b)
+            fragment = produce(a, b)
         groups_done += fragment.num_groups
         yield fragment
+
+
+# --- python3 tsp.py: the mechanism alone, on fake trainers ------------------------------------------------
+def _demo() -> None:
+    import types
+
+    m, t_train, trainers, pack, dim = 3, 4, 2, 4, 5
+    g = torch.Generator().manual_seed(0)
+    fragment = types.SimpleNamespace(  # a fragment's tensors, as gap.Fragment holds them
+        latents=torch.randn(m, t_train, dim, generator=g), next_latents=torch.randn(m, t_train, dim, generator=g),
+        sigmas=torch.rand(m, t_train, generator=g), sigmas_next=torch.rand(m, t_train, generator=g),
+        log_probs=torch.zeros(m, t_train), advantages=torch.randn(m, generator=g), cond={"e": torch.zeros(m, 1)},
+        num_groups=1)
+    theta = torch.zeros(dim, requires_grad=True)
+
+    def gradient(packs: list[list[Pair]], masks: list[list[float]]) -> torch.Tensor:
+        """Sum over packs of the weighted pair losses' gradient (weight 1/(m T_train) per real pair)."""
+        theta.grad = None
+        for p, mask in zip(packs, masks):
+            batch = gather_pairs(fragment, p)
+            weights = torch.tensor(mask) / (m * t_train)  # [p]
+            value = (batch["latents"] * batch["sigma"][:, None]) @ theta  # [p]: a pair's "log-prob"
+            (-(batch["advantages"] * value * weights).sum()).backward()
+        return theta.grad.clone()
+
+    print(f"TSP: a fragment of {m} samples x {t_train} trained timesteps = {m * t_train} pairs, "
+          f"{trainers} trainers, {pack} pairs per forward")
+    total = torch.zeros(dim)
+    for rank in range(trainers):
+        packs, masks = tsp_packs(m, t_train, rank, trainers, pack)
+        print(f"  trainer {rank}: {len(packs)} packs {packs} (padding: {sum(x == 0 for k in masks for x in k)})")
+        total += gradient(packs, masks)
+    reference = gradient(*trainer_packs(m, t_train, 0, 1, pack, spread=False))
+    print(f"summed TSP gradient == per-timestep loop's: {torch.allclose(total, reference)}")
+    commands = iter([(TRAIN, 0, 0), (PRODUCE, 1, 1), (TRAIN, 1, 0)])
+    steps = lockstep_fragments(3, True, lambda seq, done: next(commands), share_command=lambda c: c,
+                               receive=lambda seq: fragment, share_fragment=lambda f: f, produce=lambda a, b: fragment)
+    print(f"lockstep: the leader's commands train, produce, train -> {len(list(steps))} fragments, 3 groups")
+
+
+if __name__ == "__main__":
+    _demo()

@@ -3,7 +3,7 @@
     from models import load, tiny_pipeline_path
     policy = load("flux", tiny_pipeline_path("flux"), device="cpu", dtype=torch.float32)
     cond = policy.encode_prompts(["a red image"])            # cached per prompt
-    x = policy.initial_noise([0])                             # [1, tokens, channels]
+    x = policy.noise(torch.Generator().manual_seed(0))[None]  # [1, tokens, channels]
     v = policy.velocity(x, torch.ones(1), cond)               # [1, tokens, channels]
 
 `load` is the one loading path for tiny and real weights (`Pipeline.from_pretrained`); a missing
@@ -256,7 +256,3 @@ def enable_full_training(policy: Policy, fp32_master: bool = False) -> None:
             p.data = p.data.float()
         policy.autocast = True
 
-
-def trainable_state(transformer) -> dict[str, torch.Tensor]:
-    """name -> tensor of the trainable weights (LoRA only when LoRA is on), in a fixed order."""
-    return {n: p for n, p in transformer.named_parameters() if p.requires_grad}

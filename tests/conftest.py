@@ -45,6 +45,11 @@ def tiny_fragment(noise_level: float = 0.7):
     return policy, sampling, reward, prompts, spec, fragment
 
 
+def trainable_state(transformer) -> dict:
+    """name -> tensor of the trainable weights (LoRA only when LoRA is on), in a fixed order."""
+    return {n: p for n, p in transformer.named_parameters() if p.requires_grad}
+
+
 def run_main(args, out_dir, cache, timeout=240, check=True, env=None):
     """Run `python main.py args` as a subprocess (it spawns its own ranks); returns CompletedProcess."""
     import subprocess

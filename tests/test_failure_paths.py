@@ -1,5 +1,5 @@
-"""The rollout rank's background threads fail loudly: an error in the fragment sender (rollout.Sender) or in
-the weight mailbox (async_policy.Mailbox) ends the rank's main thread with a message naming the thread,
+"""The rollout rank's background threads fail loudly: an error in the fragment sender (transport.FragmentSender)
+or in the weight mailbox (tcss.Mailbox) ends the rank's main thread with a message naming the thread,
 wherever the main thread is at that moment; never a hang (no wait has a deadline, and liveness sees two
 live ranks that each wait for the other).
 
@@ -7,7 +7,7 @@ Bugs caught: an error the thread swallows (the main thread would wait for ever);
 the sender only when it hands it the next fragment (it hung in `mailbox.wait_for` when the send of a step's
 last fragment failed: the trainer waits for that fragment, the rollout for the weights that follow it).
 
-The harness (tests/dist_harness.py) runs the real `rollout.run_rollout_rank` with a real Sender and Mailbox
+The harness (tests/dist_harness.py) runs the real `gap.rollout_loop` with a real sender and tcss.RolloutWeights
 on rank 0 and a scripted trainer on rank 1 (receives fragments as announced, publishes a version after each
 step). The rollout loop is the same code in every disaggregated mode (naive, gap, gap+tsp, gap+tsp+tag,
 digenrl); what changes its control flow is TCSS (the stale budget: generate-ahead between a step's last
@@ -24,12 +24,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import async_policy
 import dist_harness
 import gap
-import rollout
+import tcss
+import transport
 from conftest import ROOT
-from infra.tracing import Tracer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,38 +49,40 @@ def _worker(rank, world, store, fault, use_async, fragment_groups, groups_per_st
     queue = gap.FragmentQueue(dist.PrefixStore("queue", store), groups_per_step)
     weights = [torch.arange(4.0)]
     if rank == 1:  # the trainer, scripted: take each announced fragment, publish the next version after each step
-        async_policy.publish(iter(weights), 1, 0, src=1, group=publish)
+        transport.publish_weights(iter(weights), 1, 0, src=1, group=publish)
         for step in range(STEPS):
             for seq in range(groups_per_step // fragment_groups):
-                gap.recv_fragment(queue.wait(step, seq).producer, group=data)
-            async_policy.publish(iter(weights), 1, step + 1, src=1, group=publish)
-        async_policy.publish([], 0, async_policy.STOP, src=1, group=publish)
+                transport.recv_fragment(queue.wait(step, seq).producer, group=data)
+            transport.publish_weights(iter(weights), 1, step + 1, src=1, group=publish)
+        transport.publish_weights([], 0, tcss.STOP, src=1, group=publish)
         return "trainer done"
 
     calls = {"send": 0, "publish": 0}
-    send, receive = gap.send_fragment, async_policy.Mailbox._receive_buckets
+    params = [torch.zeros(4)]
+    shapes = [(p.shape, p.dtype) for p in params]
 
-    def failing_send(fragment, dst, group=None):  # the sender thread's send of the fault's fragment raises
+    def failing_send(fragment, dst):  # the sender thread's send of the fault's fragment raises
         calls["send"] += 1
         if fault == "sender" and calls["send"] == groups_per_step // fragment_groups:  # the step's last fragment
             raise ConnectionResetError("injected: the connection to the trainer was reset")
-        return send(fragment, dst, group=group)
+        return transport.send_fragment(fragment, dst, group=data)
 
-    def failing_receive(self):  # the mailbox thread raises on version 1, mid-run
+    def failing_receive():  # the mailbox thread raises on version 1, mid-run
         calls["publish"] += 1
         if fault == "mailbox" and calls["publish"] == 2:
             raise ConnectionResetError("injected: the publish stream broke")
-        return receive(self)
+        return transport.receive_weights(1, publish, shapes)
 
-    gap.send_fragment, async_policy.Mailbox._receive_buckets = failing_send, failing_receive
-    params = [torch.zeros(4)]
-    tracer = Tracer(0, "rollout")
-    rollout.run_rollout_rank(
-        rank=0, steps=range(STEPS), queue=queue, fragment_groups=fragment_groups,
-        generate=lambda step, first, count, version, producer: _fragment(step, first, count, version, producer),
-        mailbox=async_policy.Mailbox(1, publish, like=params), params=params, sender=rollout.Sender(data, tracer),
-        destination_of=lambda seq: 1, tracer=tracer, report_generation_s=lambda s, g: None,
-        stale_budget=async_policy.StaleBudget(dist.PrefixStore("stale", store), 1) if use_async else None)
+    def generate(step, first, count, version):
+        return _fragment(step, first, count, version, 0)
+
+    sender = transport.FragmentSender(failing_send)
+    budget = tcss.StaleBudget(dist.PrefixStore("stale", store), 1) if use_async else None
+    weights = tcss.RolloutWeights(tcss.Mailbox(failing_receive), params, budget, also_check=sender.raise_if_failed)
+    gap.rollout_loop(rank=0, steps=range(STEPS), queue=queue, fragment_groups=fragment_groups, generate=generate,
+                     send=sender.put, destination_of=lambda seq: 1, weights=weights)
+    sender.close()
+    weights.close()
     return "rollout finished although its thread failed"
 
 

@@ -11,6 +11,7 @@ import grpo
 import models
 import rewards
 import tsp
+from conftest import trainable_state
 from rollout import SamplingConfig, generate_fragment
 
 pytestmark = pytest.mark.timeout(300)
@@ -158,7 +159,7 @@ def test_lora_starts_as_the_reference(name, built):
     before = policy.velocity(x, sigma, cond)
     assert not any(p.requires_grad for p in policy.transformer.parameters())
     models.add_lora(policy, 4, 4)
-    trainable = models.trainable_state(policy.transformer)
+    trainable = trainable_state(policy.transformer)
     assert trainable and all("lora" in n for n in trainable)
     with torch.no_grad():
         torch.testing.assert_close(policy.velocity(x, sigma, cond), before)  # B = 0 at init

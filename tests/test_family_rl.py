@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import models
-from conftest import checkpoint_weights, read_metrics, run_main
+from conftest import checkpoint_weights, read_metrics, run_main, trainable_state
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -67,7 +67,7 @@ def test_one_rl_step_trains_the_lora(name, trained):
 
     policy = initial_policy(run_dir)
     x, sigma, cond = probe_input(policy)
-    initial = {k: v.detach().clone() for k, v in models.trainable_state(policy.transformer).items()}
+    initial = {k: v.detach().clone() for k, v in trainable_state(policy.transformer).items()}
     weights = checkpoint_weights(run_dir, 1)
     assert weights.keys() == initial.keys() and all("lora" in k for k in weights)
     assert all(bool(w.isfinite().all()) for w in weights.values())

@@ -1,13 +1,16 @@
-"""gap.py: a Fragment round-trips through send/recv and broadcast bit-exactly; concurrent claims are unique.
-async_policy.py, in the same three processes: published weights reach the rollout's model (Mailbox.swap_into),
+"""transport.py: a gap.Fragment round-trips through send/recv and broadcast bit-exactly; concurrent claims are
+unique. transport.py's bucketed publishing into tcss.Mailbox, in the same three processes: published weights reach the rollout's model (Mailbox.swap_into),
 in the rollout's dtype, newest version first (catches a mailbox that reports a version it never copied in)."""
 import pytest
 import torch
 import torch.distributed as dist
 
-import async_policy
+import functools
+
 import dist_harness
 import gap
+import tcss
+import transport
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,16 +33,16 @@ def _same(a, b):
     assert ta.keys() == tb.keys()
     for k in ta:
         assert ta[k].dtype == tb[k].dtype and torch.equal(ta[k], tb[k]), k
-    assert a._ints() == b._ints()
+    assert a.ints() == b.ints()
 
 
 def _worker(rank, world, store):
     frag = _fragment()
     if rank == 0:
-        gap.send_fragment(frag, dst=1)
+        transport.send_fragment(frag, dst=1)
     elif rank == 1:
-        _same(gap.recv_fragment(src=0), frag)
-    got = gap.broadcast_fragment(frag if rank == 2 else None, src=2)
+        _same(transport.recv_fragment(src=0), frag)
+    got = transport.broadcast_fragment(frag if rank == 2 else None, src=2)
     _same(got, frag)
     queue = gap.FragmentQueue(dist.PrefixStore("queue", store), groups_per_step=25)
     claimed = []
@@ -53,13 +56,14 @@ def _worker(rank, world, store):
                      torch.tensor(v + 0.25)] for v in (1, 2)}
     if rank == 2:
         for version in (1, 2):
-            async_policy.publish(iter(published[version]), 4, version, src=2, group=dist.group.WORLD,
-                                 dtypes=[torch.float32, torch.bfloat16, torch.float32, torch.float32],
-                                 bucket_bytes=20)
-        async_policy.publish([], 0, async_policy.STOP, src=2, group=dist.group.WORLD)
+            transport.publish_weights(iter(published[version]), 4, version, src=2, group=dist.group.WORLD,
+                                      dtypes=[torch.float32, torch.bfloat16, torch.float32, torch.float32],
+                                      bucket_bytes=20)
+        transport.publish_weights([], 0, tcss.STOP, src=2, group=dist.group.WORLD)
     else:
         params = [torch.zeros(3), torch.zeros(2, 2, dtype=torch.bfloat16), torch.zeros(10), torch.zeros(())]
-        mailbox = async_policy.Mailbox(src=2, group=dist.group.WORLD, like=params, bucket_bytes=20)
+        shapes = [(p.shape, p.dtype) for p in params]
+        mailbox = tcss.Mailbox(functools.partial(transport.receive_weights, 2, dist.group.WORLD, shapes, 20))
         mailbox.wait_for(2)
         assert mailbox.swap_into(params) == 2 == mailbox.held_version
         mailbox.join()
@@ -79,10 +83,10 @@ def test_publish_packs_small_tensors_into_buckets_and_the_mailbox_cuts_them_the_
     """One broadcast per bucket, not per tensor (a 66-tensor model paid 66 round trips per publish), and
     the receiving side's views hold exactly the published values."""
     sent = []
-    monkeypatch.setattr(async_policy.dist, "broadcast", lambda t, src, group: sent.append(t.clone()))
+    monkeypatch.setattr(transport.dist, "broadcast", lambda t, src, group: sent.append(t.clone()))
     weights = [torch.full((2,), 1.0), torch.full((3,), 2.0), torch.full((2,), 3.0, dtype=torch.bfloat16),
                torch.full((9,), 4.0), torch.full((1,), 5.0), torch.full((1,), 6.0)]
-    async_policy.publish(iter(weights), 6, 3, src=0, group=None, bucket_bytes=24)
+    transport.publish_weights(iter(weights), 6, 3, src=0, group=None, bucket_bytes=24)
     assert [t.tolist() for t in sent[:1]] == [[3, 6]]  # the header: version, count
     assert [(t.dtype, t.numel()) for t in sent[1:]] == [
         (torch.float32, 5),  # 8 + 12 bytes fit in 24
@@ -90,12 +94,10 @@ def test_publish_packs_small_tensors_into_buckets_and_the_mailbox_cuts_them_the_
         (torch.float32, 9),  # 36 bytes > 24: alone
         (torch.float32, 2)]  # the last two
     received = iter(sent[1:])
-    monkeypatch.setattr(async_policy.dist, "broadcast", lambda t, src, group: t.copy_(next(received)))
-    mailbox = async_policy.Mailbox.__new__(async_policy.Mailbox)  # no thread: only the cutting is under test
-    mailbox.src, mailbox.group, mailbox.bucket_bytes = 0, None, 24
-    mailbox.shapes = [(w.shape, w.dtype) for w in weights]
-    got = mailbox._receive_buckets()
-    assert [(g.shape, g.dtype) for g in got] == mailbox.shapes
+    monkeypatch.setattr(transport.dist, "broadcast", lambda t, src, group: t.copy_(next(received)))
+    shapes = [(w.shape, w.dtype) for w in weights]
+    got = transport.receive_buckets(0, None, shapes, bucket_bytes=24)  # no thread: only the cutting is under test
+    assert [(g.shape, g.dtype) for g in got] == shapes
     assert all(torch.equal(g, w) for g, w in zip(got, weights))
 
 

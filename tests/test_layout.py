@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT
 
 pytestmark = pytest.mark.timeout(120)
-MECHANISMS = ["gap.py", "tsp.py", "tag.py", "async_policy.py"]
+MECHANISMS = ["gap.py", "tsp.py", "tag.py", "tcss.py"]
 ALLOWED_THIRD_PARTY = {"torch", "einops"}
 
 

@@ -52,7 +52,7 @@ MODES = {  # one fragment per generating rank per step
 }
 LONG_STEP = ["--steps", "1", "--group-size", "2", "--num-steps", "2", "--eval-every", "0", "--save-every", "0",
              "--no-trace", "--timeout-s", str(TIMEOUT_S)]
-HOOKS = os.path.join(ROOT, "tests", "liveness_hooks")  # sitecustomize.py: injected faults, env-activated
+HOOKS = os.path.join(ROOT, "tests", "inject")  # sitecustomize.py -> liveness_faults.py, env-activated
 
 
 def _popen(args, out, cache, log_name, launcher=(sys.executable, "main.py"), env=None):

@@ -1,5 +1,5 @@
 """Publishing and checkpointing under FSDP with full fine-tuning hold at most one whole tensor beyond the
-shards on ranks that do not write, and the leader gathers one tensor at a time for publishing (it then sends buckets of at most async_policy.PUBLISH_BUCKET_BYTES) (issue: every trainer used to gather all weights and Adam state at once).
+shards on ranks that do not write, and the leader gathers one tensor at a time for publishing (it then sends buckets of at most transport.PUBLISH_BUCKET_BYTES) (issue: every trainer used to gather all weights and Adam state at once).
 
 Two gloo processes shard the tiny FLUX transformer with trainer.shard_for_fsdp (the real FSDP2 path); every
 whole tensor that DTensor.full_tensor returns is tracked with a weak reference, and the most whole-tensor bytes
@@ -25,8 +25,8 @@ def _worker(rank, world, store, cache):
     from torch.distributed.tensor import DTensor
 
     os.environ["DIGENRL_CACHE"] = cache
-    import async_policy
     import models
+    import transport
     from trainer import TrainConfig, Trainer, shard_for_fsdp
 
     policy = models.load("flux", models.tiny_pipeline_path("flux"), "cpu", torch.float32)
@@ -50,7 +50,7 @@ def _worker(rank, world, store, cache):
     leader = rank == 0
     alone = dist.new_group([0], backend="gloo")  # the leader publishes to a group of its own (no receivers here)
     if leader:
-        async_policy.publish(trainer.iter_full_weights(), len(trainer.params), 1, 0, alone)
+        transport.publish_weights(trainer.iter_full_weights(), len(trainer.params), 1, 0, alone)
     else:
         collections.deque(trainer.iter_full_weights(), maxlen=0)  # a non-leader's part in a publish (main.py)
     publish_peak, peak[0] = peak[0], 0

@@ -3,7 +3,7 @@
 No process group and no model: a torch.distributed HashStore stands in for the job's TCPStore (the same
 atomic `add`), and plain callables stand in for the ranks. Each test names the bug it catches:
 - the staleness bound (TCSS): a fragment two versions old is refused, with async on or off, by
-  async_policy.check_staleness, by Trainer.accumulate and by train_fragment (catches a bound relaxed to 2);
+  tcss.check_staleness, by Trainer.accumulate and by train_fragment (catches a bound relaxed to 2);
 - the stale budget j is per step and never exceeded; generate_ahead stops at the budget, when the new
   weights arrive and after the last step (catches a budget ignored, generating ahead past new weights);
 - FragmentQueue claims contiguous group ranges, the last one cut at the batch end (catches an off-by-one
@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import async_policy
+import tcss
 import gap
 import tag
 import tsp
@@ -37,12 +37,12 @@ pytestmark = pytest.mark.timeout(60)
 
 # --- TCSS: the staleness bound ------------------------------------------------------------------------
 def test_check_staleness_allows_0_or_1_with_async_and_only_0_without():
-    assert async_policy.check_staleness(5, 5, async_on=False) == 0
-    assert async_policy.check_staleness(5, 5, async_on=True) == 0
-    assert async_policy.check_staleness(5, 4, async_on=True) == 1
+    assert tcss.check_staleness(5, 5, async_on=False) == 0
+    assert tcss.check_staleness(5, 5, async_on=True) == 0
+    assert tcss.check_staleness(5, 4, async_on=True) == 1
     for trainer_version, fragment_version, async_on in [(5, 4, False), (5, 3, True), (5, 3, False), (4, 5, True)]:
         with pytest.raises(AssertionError, match="staleness"):
-            async_policy.check_staleness(trainer_version, fragment_version, async_on)
+            tcss.check_staleness(trainer_version, fragment_version, async_on)
 
 
 class OneWeightPolicy:
@@ -128,12 +128,12 @@ def test_a_non_finite_step_is_skipped_and_too_many_in_a_row_abort():
 
 # --- TCSS: the stale budget and generate-ahead ---------------------------------------------------------
 def test_the_stale_budget_is_j_per_step():
-    budget = async_policy.StaleBudget(dist.HashStore(), max_stale=2)
+    budget = tcss.StaleBudget(dist.HashStore(), max_stale=2)
     assert [budget.take(1) for _ in range(4)] == [True, True, False, False]
     assert [budget.take(2) for _ in range(3)] == [True, True, False]  # a new step has its own j
     budget.forget(1)
     assert budget.take(1)  # the key was deleted (the store must not grow per step)
-    none = async_policy.StaleBudget(dist.HashStore(), max_stale=0)
+    none = tcss.StaleBudget(dist.HashStore(), max_stale=0)
     assert not any(none.take(1) for _ in range(3))
 
 
@@ -150,20 +150,20 @@ def _ahead(step, last_step, versions, budget, unclaimed=10):
         left[0] -= 1
         return (10 - left[0] - 1, 1)
 
-    count = async_policy.generate_ahead(step, last_step, latest_version, budget.take, claim,
+    count = tcss.generate_ahead(step, last_step, latest_version, budget.take, claim,
                                         lambda s, c: made.append((s, c)))
     assert count == len(made)
     return made
 
 
 def test_generate_ahead_stops_at_the_budget_at_new_weights_and_after_the_last_step():
-    made = _ahead(3, 10, [3], async_policy.StaleBudget(dist.HashStore(), 2))
+    made = _ahead(3, 10, [3], tcss.StaleBudget(dist.HashStore(), 2))
     assert made == [(4, (0, 1)), (4, (1, 1))]  # batch step + 1, never more than j fragments
-    made = _ahead(3, 10, [3, 4], async_policy.StaleBudget(dist.HashStore(), 5))
+    made = _ahead(3, 10, [3, 4], tcss.StaleBudget(dist.HashStore(), 5))
     assert made == [(4, (0, 1))]  # version 4 arrived after one fragment: the rest is generated fresh
-    assert _ahead(3, 10, [4], async_policy.StaleBudget(dist.HashStore(), 5)) == []
-    assert _ahead(10, 10, [10], async_policy.StaleBudget(dist.HashStore(), 5)) == []  # no step 11
-    assert len(_ahead(3, 10, [3], async_policy.StaleBudget(dist.HashStore(), 5), unclaimed=1)) == 1
+    assert _ahead(3, 10, [4], tcss.StaleBudget(dist.HashStore(), 5)) == []
+    assert _ahead(10, 10, [10], tcss.StaleBudget(dist.HashStore(), 5)) == []  # no step 11
+    assert len(_ahead(3, 10, [3], tcss.StaleBudget(dist.HashStore(), 5), unclaimed=1)) == 1
 
 
 # --- GAP: claims, specs, fragments, consumption ---------------------------------------------------------
@@ -211,7 +211,7 @@ def test_concat_and_to_keep_group_order_and_every_header_field():
     # (step, first_group, policy_version, producer, group_size): a swapped field would mislabel the version
     header = (whole.step, whole.first_group, whole.policy_version, whole.producer, whole.group_size)
     assert header == (9, 3, 7, -2, 2)
-    assert whole.to("cpu")._ints() == whole._ints() == list(header)
+    assert whole.to("cpu").ints() == whole.ints() == list(header)
     assert whole.num_groups == 4
     assert whole.rewards.tolist() == list(range(6, 14)) and whole.cond["e"][:, 0].tolist() == list(range(6, 14))
     assert whole.latents[:, 0, 0].tolist() == list(range(6, 14))
@@ -240,7 +240,7 @@ def test_dealt_fragments_give_each_announcement_to_exactly_one_trainer():
 
 # --- TSP: the lockstep protocol; TAG: assisted generation ------------------------------------------------
 def test_lockstep_trains_each_announced_fragment_once_and_counts_groups():
-    commands = [(tsp.TRAIN, 0, 0), (tsp.GENERATE, 4, 1), (tsp.TRAIN, 1, 0), (tsp.TRAIN, 2, 0)]
+    commands = [(tsp.TRAIN, 0, 0), (tsp.PRODUCE, 4, 1), (tsp.TRAIN, 1, 0), (tsp.TRAIN, 2, 0)]
     asked = []
 
     def next_command(next_seq, groups_done):
@@ -250,12 +250,12 @@ def test_lockstep_trains_each_announced_fragment_once_and_counts_groups():
     announced = {0: _numbered_fragment(0, 2), 1: _numbered_fragment(2, 2), 2: _numbered_fragment(5, 1)}
     got = list(tsp.lockstep_fragments(6, True, next_command, share_command=lambda c: c,
                                       receive=announced.__getitem__, share_fragment=lambda f: f,
-                                      generate=lambda a, b: _numbered_fragment(a, b)))
+                                      produce=lambda a, b: _numbered_fragment(a, b)))
     assert [f.first_group for f in got] == [0, 4, 2, 5]  # each announced fragment once, TAG's groups in between
     assert asked == [(0, 0), (1, 2), (1, 3), (2, 5)]  # the leader is asked with the next sequence and groups done
     # a non-leader follows the leader's commands and never receives from the rollout itself
     follower = tsp.lockstep_fragments(6, False, None, share_command=lambda c: commands[0], receive=None,
-                                      share_fragment=lambda f: announced[0], generate=None)
+                                      share_fragment=lambda f: announced[0], produce=None)
     assert next(follower) is announced[0]
 
 

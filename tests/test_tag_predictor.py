@@ -25,7 +25,7 @@ def test_declines_when_training_is_the_bottleneck():
     train_bound = tag.StepState(unclaimed=6, in_flight=2, waiting=2, rollout_ranks=2,
                                 gen_rollout_s=1.0, gen_trainer_s=0.5, train_s=2.0,
                                 fragment_groups=2, trainers=2)
-    assert tag.assist_groups(train_bound) == 0 and not tag.should_assist(train_bound)
+    assert tag.assist_groups(train_bound) == 0
     # a much slower trainer GPU for generation: decline too
     slow = tag.StepState(**{**GEN_BOUND.__dict__, "gen_trainer_s": 50.0})
     assert tag.assist_groups(slow) == 0
@@ -66,6 +66,6 @@ def test_rollout_start_delays_idle_rollout_ranks_only():
 
 def test_fragment_units_still_work():
     # one unit = one fragment (the defaults): with many rollout ranks the last one is left to them
-    assert not tag.should_assist(tag.StepState(1, 7, 0, 8, 5.0, 5.0, 1.0))
-    assert not tag.should_assist(tag.StepState(0, 2, 0, 1, 5.0, 5.0, 1.0))  # nothing to claim
+    assert tag.assist_groups(tag.StepState(1, 7, 0, 8, 5.0, 5.0, 1.0)) == 0
+    assert tag.assist_groups(tag.StepState(0, 2, 0, 1, 5.0, 5.0, 1.0)) == 0  # nothing to claim
     assert tag.predict_step_end(GEN_BOUND, True) == tag.predict_step_end(GEN_BOUND, 1)

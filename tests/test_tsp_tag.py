@@ -98,16 +98,16 @@ def test_tag_generation_leaves_params_grads_and_optimizer_state_bit_identical(se
 def test_predictor_declines_when_training_is_the_bottleneck_and_accepts_when_generation_is():
     training_bound = tag.StepState(unclaimed=4, in_flight=1, waiting=0, rollout_ranks=1,
                                    gen_rollout_s=1.0, gen_trainer_s=1.0, train_s=5.0)
-    assert not tag.should_assist(training_bound)
+    assert tag.assist_groups(training_bound) == 0
     generation_bound = tag.StepState(unclaimed=4, in_flight=1, waiting=0, rollout_ranks=1,
                                      gen_rollout_s=5.0, gen_trainer_s=5.0, train_s=1.0)
-    assert tag.should_assist(generation_bound)
+    assert tag.assist_groups(generation_bound) > 0
     assert tag.predict_step_end(generation_bound, True) < tag.predict_step_end(generation_bound, False)
     # nothing left to claim: never assist; a much slower trainer GPU: decline
-    assert not tag.should_assist(tag.StepState(0, 2, 0, 1, 5.0, 5.0, 1.0))
-    assert not tag.should_assist(tag.StepState(1, 1, 0, 1, 5.0, 50.0, 1.0))
+    assert tag.assist_groups(tag.StepState(0, 2, 0, 1, 5.0, 5.0, 1.0)) == 0
+    assert tag.assist_groups(tag.StepState(1, 1, 0, 1, 5.0, 50.0, 1.0)) == 0
     # with many rollout ranks the last fragment is better left to them
-    assert not tag.should_assist(tag.StepState(1, 7, 0, 8, 5.0, 5.0, 1.0))
+    assert tag.assist_groups(tag.StepState(1, 7, 0, 8, 5.0, 5.0, 1.0)) == 0
 
 
 def test_num_train_timesteps_and_dance_subsets():

@@ -4,9 +4,9 @@
     python tools/publish_cost.py --sizes-mb 210 --receivers 3
     python tools/publish_cost.py --sizes-mb 4096 24576 --tensor-mb 64 --wire-only   # full FLUX.1-dev weights
 
-Runs async_policy.publish on a leader and async_policy.Mailbox on `--receivers` other processes (the
-real code path: (version, count), then flat buckets of at most PUBLISH_BUCKET_BYTES over a gloo group,
-received by the mailbox thread, then swapped into the model's tensors), for weights of each size cut
+Runs transport.publish_weights on a leader and tcss.Mailbox (transport.receive_weights) on `--receivers`
+other processes (the real code path: (version, count), then flat buckets of at most PUBLISH_BUCKET_BYTES
+over a gloo group, received by the mailbox thread, then swapped into the model's tensors), for weights of each size cut
 into tensors of `--tensor-mb`, and prints seconds and GB/s per size. The leader yields one reused
 tensor `count` times, as FSDP's just-in-time gather does, so it holds a bucket, not the model.
 A mailbox holds the received weights beside the model's (2x the size per receiver): on a 24 GiB
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import os
 import statistics
 import sys
@@ -28,12 +29,12 @@ if __package__ in (None, ""):  # run as `python tools/X.py`: make the project ro
 
 
 def receive_wire_only(src: int, group, shapes: list, bucket_bytes: int) -> int:
-    """The mailbox's broadcasts (header, then buckets cut by async_policy.fits_bucket), into one reused buffer.
+    """The mailbox's broadcasts (header, then buckets cut by transport.fits_bucket), into one reused buffer.
     Returns the version received."""
     import torch
     import torch.distributed as dist
 
-    import async_policy
+    import transport
 
     header = torch.empty(2, dtype=torch.int64)
     dist.broadcast(header, src=src, group=group)
@@ -50,7 +51,7 @@ def receive_wire_only(src: int, group, shapes: list, bucket_bytes: int) -> int:
 
     for shape, dtype in shapes:
         nbytes = shape.numel() * dtype.itemsize
-        if bucket and not async_policy.fits_bucket(bucket, nbytes, dtype, bucket_bytes):
+        if bucket and not transport.fits_bucket(bucket, nbytes, dtype, bucket_bytes):
             take()
         bucket.append((nbytes, dtype))
     if bucket:
@@ -62,7 +63,8 @@ def _worker(rank, world, master, sizes_mb, tensor_mb, reps, wire_only, results):
     import torch
     import torch.distributed as dist
 
-    import async_policy
+    import tcss
+    import transport
     from infra.launch import open_store
 
     torch.set_num_threads(1)
@@ -82,15 +84,15 @@ def _worker(rank, world, master, sizes_mb, tensor_mb, reps, wire_only, results):
             model, mailbox = None, None
         else:
             model = [torch.zeros(numel, dtype=torch.bfloat16) for _ in range(n)]
-            mailbox = async_policy.Mailbox(0, group, like=model)
+            mailbox = tcss.Mailbox(functools.partial(transport.receive_weights, 0, group, shapes))
         times = []
         for version in range(reps):
             dist.barrier(group=control)
             start = time.perf_counter()
             if rank == 0:
-                async_policy.publish((source for _ in range(n)), n, version, 0, group)
+                transport.publish_weights((source for _ in range(n)), n, version, 0, group)
             elif wire_only:
-                assert receive_wire_only(0, group, shapes, async_policy.PUBLISH_BUCKET_BYTES) == version
+                assert receive_wire_only(0, group, shapes, transport.PUBLISH_BUCKET_BYTES) == version
             else:
                 mailbox.wait_for(version)
                 mailbox.swap_into(model)
@@ -98,7 +100,7 @@ def _worker(rank, world, master, sizes_mb, tensor_mb, reps, wire_only, results):
             times.append(time.perf_counter() - start)
         if rank == 0:
             if not wire_only:
-                async_policy.publish([], 0, async_policy.STOP, 0, group)
+                transport.publish_weights([], 0, tcss.STOP, 0, group)
             results.put((size_mb, n, statistics.median(times)))
         elif mailbox is not None:
             mailbox.join()

@@ -1,6 +1,6 @@
 """Injected into a real run (tests/inject/sitecustomize.py): the first fragment the sender thread sends raises,
 as a send to a trainer whose connection was reset would (tests/test_failure_paths.py)."""
-import gap
+import transport
 
 
 
@@ -9,4 +9,4 @@ def _failing_send(fragment, dst, group=None):
                                f"{fragment.step}, groups from {fragment.first_group})")
 
 
-gap.send_fragment = _failing_send
+transport.send_fragment = _failing_send

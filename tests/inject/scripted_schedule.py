@@ -20,20 +20,22 @@ Needs one rollout rank (R = 1) and, with --async, --max-stale-fragments >= 1.
 import os
 import time
 
-import async_policy
 import tag
+import tcss
+import wiring
 
 GEN_ROLLOUT_S, GEN_TRAINER_S, TRAIN_S, PUBLISH_S = 0.5, 0.1, 0.01, 0.05
 NO_AHEAD = {int(s) for s in os.environ.get("DIGENRL_SCRIPTED_NO_AHEAD", "").split(",") if s.strip()}
-_tcss = {"on": False}  # whether this process runs with --async (it builds a StaleBudget)
+_tcss = {"on": False}  # whether the leader's run has TCSS on (read where main.py builds TAG's Assistant)
 
-_budget_init, _budget_take = async_policy.StaleBudget.__init__, async_policy.StaleBudget.take
+_budget_take = tcss.StaleBudget.take
 _consider = tag.Assistant.consider
+_assistant = wiring.assistant
 
 
-def _init(self, store, max_stale):
-    _budget_init(self, store, max_stale)
-    _tcss["on"] = max_stale > 0
+def _scripted_assistant(cfg, *args, **kwargs):
+    _tcss["on"] = bool(cfg.use_async) and (cfg.max_stale_fragments or 0) > 0
+    return _assistant(cfg, *args, **kwargs)
 
 
 def _take(self, step):
@@ -53,5 +55,6 @@ def _scripted_consider(self, step, groups_done, before_publish=False):
     return _consider(self, step, groups_done, before_publish)
 
 
-async_policy.StaleBudget.__init__, async_policy.StaleBudget.take = _init, _take
+tcss.StaleBudget.take = _take
+wiring.assistant = _scripted_assistant
 tag.Assistant.consider = _scripted_consider

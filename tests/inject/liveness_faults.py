@@ -1,5 +1,5 @@
-"""Faults for tests/test_liveness.py, injected into every rank of a real run (the test puts this folder on
-PYTHONPATH, so each rank imports it at start-up; the production path never loads it and pays nothing).
+"""Faults for tests/test_liveness.py, injected into every rank of a real run (tests/inject/sitecustomize.py
+imports this module when one of the variables below is set; the production path never loads it).
 
 - DIGENRL_TEST_STALL="RANK:OP:CALL": on global rank RANK, the CALL-th call (1-based) of torch.distributed's OP
   never returns: `all_reduce` counts compute-plane calls only (the gradient all-reduce), `send` every send (the

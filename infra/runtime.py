@@ -1,0 +1,142 @@
+"""What every rank sets up before its loop and tears down after it (main.run_rank calls these in order).
+
+    device, dtype = runtime.device_of(cfg, local_rank)
+    job = runtime.connect(cfg, rank, world, local_rank, master, agent_store, report_silent, device, roles)
+    policy = runtime.load_policy(cfg, device, dtype, groups, job.progress)
+    ...the rank's loop...
+    runtime.shutdown(job, cfg, groups, tracer, run_dir, device)
+
+The store, the default process group (comm.py chooses its backend), liveness (infra/liveness.py) and
+preemption (infra/preemption.py); at the end the trace and the last barrier.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+import comm
+import models
+from infra.launch import open_store
+from infra.liveness import Liveness
+from infra.preemption import Preemption
+from infra.progress import Progress
+from infra.tracing import Tracer, gather_spans, write_chrome_trace, write_timeline_png
+
+
+@dataclasses.dataclass
+class Job:
+    """This rank's connection to the job: None where the world is one rank."""
+
+    store: dist.Store | None
+    watch: Liveness | None  # heartbeats: a dead or frozen peer ends the job, named
+    progress: Progress  # what liveness watches (per forward, pack, fragment, tensor, step)
+    preemption: Preemption  # the stop request the trainers agree on at a step's end
+
+    def prefixed(self, name: str) -> dist.Store | None:
+        return dist.PrefixStore(name, self.store) if self.store is not None else None
+
+
+def device_of(cfg, local_rank: int) -> tuple[str, torch.dtype]:
+    """This rank's device (cuda:LOCAL_RANK mod GPUs, or cpu) and the policy dtype."""
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    device = f"cuda:{local_rank % torch.cuda.device_count()}" if use_cuda else "cpu"
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+        cfg.dtype, torch.bfloat16 if use_cuda else torch.float32)
+    if use_cuda:
+        torch.cuda.set_device(device)
+        torch.backends.cuda.enable_cudnn_sdp(False)  # docs/DESIGN.md section 7: cuDNN SDPA backward crashed on H200
+    return device, dtype
+
+
+def name_process(name: str) -> None:
+    """Set this process's name (Linux, 15 characters) so operators can tell the ranks apart."""
+    try:
+        with open("/proc/self/comm", "w") as f:
+            f.write(name[:15])
+    except OSError:
+        pass
+
+
+def connect(cfg, rank: int, world: int, local_rank: int, master: tuple, agent_store: bool, report_silent,
+            device: str, roles: list[str]) -> Job:
+    """The store, the default process group and liveness (world > 1), and preemption (always)."""
+    store, watch, progress = None, None, Progress()
+    if world > 1:
+        if local_rank == 0 and (warning := comm.loopback_data_plane(os.environ)):
+            print(f"[digenrl] warning: {warning}", file=sys.stderr, flush=True)
+        store = open_store(master, world, is_master=(rank == 0 and not agent_store), timeout_s=cfg.timeout_s)
+        use_cuda = device.startswith("cuda")
+        gpus = comm.gather_device_identities(store, rank, world, comm.this_device_identity(device)) if use_cuda else []
+        backend, why = comm.choose_backend(use_cuda, [gpu for gpu, role in zip(gpus, roles) if role != "rollout"],
+                                           cfg.backend)
+        if rank == 0:
+            print(f"[digenrl] compute plane: {backend} ({why})", flush=True)
+        dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
+                                timeout=comm.NO_DEADLINE)
+        watch = Liveness(dist.PrefixStore("liveness", store), rank, roles, cfg.timeout_s, report_silent,
+                         progress=progress).start()
+
+    def urgent() -> str | None:  # SIGTERM with a peer dead already (torchrun's agent stops the others so)
+        return "; ".join(f"{watch.describe(r)} died" for r in watch.dead_local_peers()) if watch else None
+
+    # SIGTERM: stop after the current step with a checkpoint; at once when a peer is dead already, naming it
+    preemption = Preemption(dist.PrefixStore("preemption", store) if store is not None else None, rank, world,
+                            urgent=urgent, finishing=watch.finishing if watch is not None else _nothing,
+                            hosts_store=rank == 0 and not agent_store).start()
+    return Job(store, watch, progress, preemption)
+
+
+def _nothing() -> None:
+    pass
+
+
+def load_policy(cfg, device: str, dtype: torch.dtype, groups: comm.Groups, progress: Progress) -> models.Policy:
+    """The policy on this rank: the pipeline, LoRA (same init on every rank) or full training, checkpointing."""
+    path = cfg.pretrained or models.tiny_pipeline_path(cfg.model, cfg.cache_dir)
+    policy = models.load(cfg.model, path, device, dtype, height=cfg.resolution or None, width=cfg.width or None,
+                         frames=cfg.frames or None, max_sequence_length=cfg.text_len, guidance=cfg.guidance,
+                         prompt_cache_size=cfg.prompt_cache_size)
+    policy.on_forward = progress.bump  # every transformer forward is progress (generation, evaluation, training)
+    torch.manual_seed(cfg.seed)  # identical LoRA init on every rank (the leader also publishes version 0)
+    if cfg.lora:
+        models.add_lora(policy, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
+        if cfg.init_lora and not cfg.resume:  # every rank starts from the file (a resumed run: from its checkpoint)
+            models.load_init_lora(policy.transformer, cfg.init_lora)
+    else:
+        models.enable_full_training(policy, fp32_master=cfg.fp32_master and groups.is_trainer)
+    if cfg.grad_ckpt and groups.is_trainer:
+        policy.transformer.enable_gradient_checkpointing()
+    return policy
+
+
+def freeze_heap() -> None:
+    """The libraries' and the model's long-lived objects leave the collector's scans: shorter GC pauses, during
+    which no thread (the liveness heartbeat included) can run."""
+    gc.freeze()
+
+
+def shutdown(job: Job, cfg, groups: comm.Groups, tracer: Tracer, run_dir, device: str) -> None:
+    """After the loops joined their background threads; only the main threads talk from here on."""
+    job.progress.finish()  # shutdown reports no progress: liveness watches only the heartbeat from here on
+    spans = gather_spans(tracer, group=groups.world_data, dst=groups.leader) if cfg.trace else None
+    if run_dir is not None:
+        run_dir.plot_rewards()
+        run_dir.close()
+        if spans is not None:
+            write_chrome_trace(spans, os.path.join(run_dir.path, "trace.json"))
+            write_timeline_png(spans, os.path.join(run_dir.path, "timeline.png"), title=f"{cfg.model} {cfg.mode}")
+        print(f"[digenrl] done: {run_dir.path}", flush=True)
+    if device.startswith("cuda"):
+        print(f"[digenrl] rank {groups.rank} ({groups.role}) peak device memory "
+              f"{torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB", flush=True)
+    if job.watch is not None:
+        job.watch.finishing()
+        dist.barrier(group=groups.world_data)
+        job.watch.stop()
+        dist.destroy_process_group()
+    job.preemption.close()

@@ -1,0 +1,283 @@
+"""TCSS, the one-step-constrained asynchronous policy: versions, weight publishing, the mailbox, generate-ahead.
+
+Paper: DigenRL, "tightly one-step constrained asynchronous strategy" (docs/DESIGN.md section 5).
+Weights version k is the policy after k optimizer steps; batch k should be generated with version k.
+After each optimizer step the trainer leader publishes the trainable weights (LoRA only when LoRA is
+on) with their version to every rollout rank, in the rollout's dtype, over a gloo group with CPU
+tensors: consecutive tensors are packed into flat buckets of at most PUBLISH_BUCKET_BYTES (one
+broadcast each: a model of many small tensors costs one round trip, not one per tensor), a larger
+tensor goes alone, so the sender never holds more than a bucket plus one whole tensor. A rollout
+rank receives them in a background thread (the `Mailbox`) and swaps them into its model only
+between fragments. With async on, once every group of batch k is
+claimed and version k+1 has not arrived yet (the trainer is still on batch k's tail),
+`generate_ahead` lets rollout ranks generate up to j fragments of batch k+1 with version k.
+
+Invariants (asserted by `check_staleness`, not only tested): staleness = trainer version - fragment
+version is 0 or 1; every trajectory and group is generated under one version (weights swap only
+between fragments); with async off, a fragment's version always equals its step.
+
+Departures from the paper: the stale budget j is per step and global (an atomic counter in the store,
+`StaleBudget`) rather than per rank (the default j = R gives each rollout rank one on average);
+stale fragments are trained with the PPO ratio against the recorded behaviour log-probs, on-policy
+ones with the detached current log-prob (ratio exactly 1).
+
+Try it: `python3 tcss.py` (alone: a fragment generated ahead, its PPO ratio); in a run,
+`python main.py --placement disaggregated --gap --tsp --tcss --max-stale-fragments 1`.
+Only torch and the standard library are imported: this file can be copied into another codebase.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+STOP = -1  # the version number that tells mailboxes to exit
+
+
+def check_staleness(trainer_version: int, fragment_version: int, async_on: bool) -> int:
+    """The TCSS bound: 0 or 1 with async, exactly 0 without. Returns the staleness."""
+    staleness = trainer_version - fragment_version
+    allowed = (0, 1) if async_on else (0,)
+    if staleness not in allowed:
+        raise AssertionError(f"a fragment generated with weights version {fragment_version} reached a trainer at "
+                             f"version {trainer_version}: staleness {staleness} is outside {allowed}")
+    return staleness
+
+
+def behaviour_log_prob(current: torch.Tensor, recorded: torch.Tensor, stale: bool) -> torch.Tensor:
+    """The stale-pair loss rule: the PPO ratio's denominator. A stale pair (generated one version ago) is
+    trained against the behaviour log-prob its rollout recorded, so the ratio corrects for the older policy
+    and the clip bounds the step; an on-policy pair against its own detached log-prob (ratio exactly 1: the
+    same gradient as Flow-GRPO's on-policy update, without trusting the rollout's numerics)."""
+    return recorded.to(current.device) if stale else current.detach()
+
+
+class Mailbox:
+    """Rollout rank: a background thread receives published weights into CPU buffers; the main thread
+    swaps them into the model between fragments. Waits have no deadline: liveness ends a dead job."""
+
+    def __init__(self, receive: Callable[[], tuple[int, list[torch.Tensor]]]):
+        """`receive()` blocks until the next publish and returns (version, one tensor per weight):
+        transport.receive_weights on a gloo group of its own, or a queue in the demo."""
+        self.receive = receive
+        self._cond = threading.Condition()
+        self._latest: tuple[int, list[torch.Tensor] | None] | None = None  # (version, buffers; None once swapped)
+        self._held_version = -1  # version of the weights currently in the model
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="weight-mailbox", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                version, buffers = self.receive()  # blocks until the next publish
+                if version == STOP:
+                    break
+                with self._cond:
+                    self._latest = (version, buffers)
+                    self._cond.notify_all()
+        except BaseException as exc:  # noqa: BLE001  (surfaced to the main thread, which raises it)
+            self.error = exc
+        with self._cond:
+            self._cond.notify_all()
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"weight mailbox failed: {self.error}") from self.error
+
+    def latest_version(self) -> int:
+        with self._cond:
+            return -1 if self._latest is None else self._latest[0]
+
+    @property
+    def held_version(self) -> int:
+        return self._held_version
+
+    def wait_for(self, version: int, also_check: Callable[[], None] = lambda: None) -> None:
+        """Block until weights of at least `version` have arrived. `also_check` runs at least once a second
+        while waiting and may raise: the rollout's fragment sender, whose failure means they never will."""
+        with self._cond:
+            while self._latest is None or self._latest[0] < version:
+                self._raise_if_failed()
+                also_check()
+                if not self._thread.is_alive():
+                    raise RuntimeError(f"weight mailbox stopped before version {version} arrived")
+                self._cond.wait(1.0)
+
+    def swap_into(self, params: list[torch.Tensor]) -> int:
+        """Copy the latest weights into the model (call only between fragments); returns the held version."""
+        self._raise_if_failed()
+        with self._cond:
+            latest = self._latest
+            if latest is not None and latest[1] is not None:
+                self._latest = (latest[0], None)  # the buffers are consumed: free them after the copy
+        if latest is not None and latest[1] is not None and latest[0] > self._held_version:
+            with torch.no_grad():
+                for p, t in zip(params, latest[1]):
+                    p.copy_(t)
+            self._held_version = latest[0]
+        return self._held_version
+
+    def join(self) -> None:
+        """Wait for the thread to finish (after the leader's STOP); a failure is raised here."""
+        self._thread.join()
+        self._raise_if_failed()
+
+
+class StaleBudget:
+    """The global per-step budget j of fragments generated one version stale (an atomic store counter)."""
+
+    def __init__(self, store, max_stale: int):
+        self.store, self.max_stale = store, max_stale
+
+    def take(self, step: int) -> bool:
+        return self.max_stale > 0 and self.store.add(f"stale/{step}", 1) <= self.max_stale
+
+    def forget(self, step: int) -> None:
+        self.store.delete_key(f"stale/{step}")
+
+
+def generate_ahead(step: int, last_step: int, latest_version: Callable[[], int], take_budget: Callable[[int], bool],
+                   claim: Callable[[int], tuple[int, int] | None], produce: Callable[[int, tuple[int, int]], None]) -> int:
+    """TCSS on a rollout rank whose batch `step` is fully claimed: while version step + 1 has not arrived,
+    generate fragments of batch step + 1 with the weights held (version step), within the budget.
+    Returns how many it generated."""
+    made = 0
+    while step + 1 <= last_step and latest_version() < step + 1 and take_budget(step + 1):
+        claimed = claim(step + 1)
+        if claimed is None:
+            break
+        produce(step + 1, claimed)
+        made += 1
+    return made
+
+
+# --- the rollout side ----------------------------------------------------------------------------------------
+class RolloutWeights:
+    """A rollout rank's weights, for gap.rollout_loop: batch k waits for version k; new weights are swapped in
+    only between fragments (every trajectory and group is generated under one version); with a stale budget,
+    once batch k is fully claimed and version k + 1 has not come, fragments of batch k + 1 with version k."""
+
+    def __init__(self, mailbox: Mailbox, params: list[torch.Tensor], budget: StaleBudget | None = None,
+                 also_check: Callable[[], None] = lambda: None, tracer=None, forgets: bool = False):
+        self.mailbox, self.params, self.budget, self.also_check = mailbox, params, budget, also_check
+        self.tracer = tracer  # infra.tracing.Tracer or None: a "wait" span while waiting for weights
+        self.forgets = forgets  # one rollout rank deletes the budget's old store keys
+
+    def wait_for(self, step: int) -> None:
+        span = self.tracer.span("wait", step=step, what="weights") if self.tracer else contextlib.nullcontext()
+        with span:  # a failed send means the weights never come: also_check raises it
+            self.mailbox.wait_for(step, also_check=self.also_check)
+        if self.forgets and self.budget is not None and step >= 2:
+            self.budget.forget(step - 2)  # version `step` is out: no rank generates ahead into step - 1 or before
+
+    def between_fragments(self) -> None:
+        self.mailbox.swap_into(self.params)
+
+    def version(self, step: int, ahead: bool) -> int:
+        """The version that generates the next fragment of batch `step`: on-policy unless generated ahead."""
+        check_staleness(step, self.mailbox.held_version, async_on=ahead)
+        return self.mailbox.held_version
+
+    def after_claims(self, step: int, last_step: int, claim: Callable[[int], tuple[int, int] | None],
+                     produce: Callable[[int, tuple[int, int]], None]) -> None:
+        if self.budget is not None:
+            generate_ahead(step, last_step, self.mailbox.latest_version, self.budget.take, claim, produce)
+
+    def close(self) -> None:
+        self.mailbox.join()
+
+
+# --- the trainer side ----------------------------------------------------------------------------------------
+class Publisher:
+    """After each optimizer step the trainer leader publishes the trainable weights with their version.
+
+    weights() yields them whole (gathered one at a time under FSDP: every trainer must iterate, `gathers`);
+    send(tensors, count, version) is the transport (transport.publish_weights) on the leader (`sends`)."""
+
+    def __init__(self, weights: Callable[[], Iterable[torch.Tensor]], count: int,
+                 send: Callable[[Iterable[torch.Tensor], int, int], None], sends: bool, gathers: bool,
+                 on_published: Callable[[float], None] | None = None, tracer=None):
+        self.weights, self.count, self.send, self.sends, self.gathers = weights, count, send, sends, gathers
+        self.on_published, self.tracer = on_published, tracer
+
+    def publish(self, version: int) -> None:
+        if not (self.sends or self.gathers):
+            return
+        start = time.perf_counter()
+        span = self.tracer.span("publish", version=version) if self.tracer else contextlib.nullcontext()
+        with span:
+            if self.sends:
+                self.send(self.weights(), self.count, version)
+            else:
+                collections.deque(self.weights(), maxlen=0)  # take part in each gather, keep nothing
+        if self.on_published is not None:
+            self.on_published(time.perf_counter() - start)
+
+    def stop(self) -> None:
+        """Tell every mailbox to exit."""
+        if self.sends:
+            self.send([], 0, STOP)
+
+
+# --- python3 tcss.py: the mechanism alone, on fake ranks -------------------------------------------------------
+def _demo() -> None:
+    import queue as queue_lib
+
+    class Store:  # the job's store: an atomic counter per key
+        def __init__(self):
+            self.counts = collections.Counter()
+
+        def add(self, key: str, n: int) -> int:
+            self.counts[key] += n
+            return self.counts[key]
+
+        def delete_key(self, key: str) -> None:
+            self.counts.pop(key, None)
+
+    wire: queue_lib.Queue = queue_lib.Queue()  # the publish group
+    theta = torch.zeros(3)  # the trainer's weights (the policy: x ~ N(theta, 1))
+    rollout_theta = torch.zeros(3)  # the rollout's copy
+    mailbox = Mailbox(wire.get)
+    weights = RolloutWeights(mailbox, [rollout_theta], StaleBudget(Store(), max_stale=1))
+
+    def log_prob(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
+        return -0.5 * ((x - mean) ** 2).sum()
+
+    made = []
+    claims = iter([(0, 1), (1, 1), None])  # batch 1's groups, claimed from the queue
+
+    def produce(step: int, claimed: tuple[int, int]) -> None:
+        version = weights.version(step, ahead=True)
+        x = rollout_theta + torch.randn(3, generator=torch.Generator().manual_seed(claimed[0]))
+        made.append((step, version, x, log_prob(x, rollout_theta)))
+        print(f"rollout: batch {step} groups {claimed} generated AHEAD with weights version {version}")
+
+    wire.put((0, [theta.clone()]))  # the leader publishes version 0
+    weights.wait_for(0)
+    weights.between_fragments()
+    print(f"rollout: holds version {mailbox.held_version}; batch 0 fully claimed, version 1 not here yet")
+    weights.after_claims(0, 1, lambda step: next(claims), produce)
+    print(f"rollout: stale budget j = 1 spent after {len(made)} fragment(s)")
+    theta += torch.tensor([0.1, -0.1, 0.05])  # the trainer's step on batch 0
+    wire.put((1, [theta.clone()]))
+    wire.put((STOP, []))
+    weights.close()
+    step, version, x, recorded = made[0]
+    staleness = check_staleness(1, version, async_on=True)
+    new = log_prob(x, theta)
+    ratio = torch.exp(new - behaviour_log_prob(new, recorded, stale=staleness == 1))
+    print(f"trainer at version 1: fragment of version {version} is stale by {staleness}; "
+          f"PPO ratio {ratio:.4f} (on-policy it would be exactly 1)")
+    try:
+        check_staleness(2, version, async_on=True)
+    except AssertionError:
+        print("a fragment two versions old is refused: the one-step bound holds")
+
+
+if __name__ == "__main__":
+    _demo()

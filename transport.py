@@ -1,0 +1,247 @@
+"""Transport: the bytes on the wire of the data plane (fragments, weights, commands), in one place.
+
+    transport.send_fragment(fragment, dst, group)      # GAP: rollout -> trainer, point to point
+    transport.recv_fragment(src, group)                # -> gap.Fragment
+    transport.broadcast_fragment(fragment, src, group) # TSP/TAG: the leader's copy to every trainer
+    transport.FragmentSender(group, send)              # a background thread, so generation goes on
+    transport.publish_weights(tensors, count, version, src, group, dtypes)   # TCSS: the leader
+    transport.receive_weights(src, group, shapes)      # TCSS: a rollout rank's mailbox thread
+    transport.broadcast_command(command, src, group)   # TSP: the leader's (kind, a, b)
+
+The mechanism files (gap.py, tsp.py, tag.py, tcss.py) never touch torch.distributed for data: main.py
+hands them these functions. Every call here is data plane (comm.py's rule 1): CPU tensors on a gloo group.
+
+A fragment is two messages: a fixed-size int64 header (ints, dtypes, shapes, byte lengths), then ONE
+uint8 buffer holding the names and every tensor's bytes (8-byte aligned). One large message costs one
+latency instead of ~20; this matters on gloo/TCP where each message is a round trip.
+Weights are (version, count), then consecutive tensors packed into flat buckets of at most
+PUBLISH_BUCKET_BYTES (one broadcast each: a model of many small tensors costs one round trip, not one
+per tensor); a larger tensor goes alone, so the sender never holds more than a bucket plus one tensor.
+"""
+from __future__ import annotations
+
+import queue as queue_lib
+import threading
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+
+from gap import Fragment
+
+# --- the fragment wire format ----------------------------------------------------------------------------
+HEADER_LEN = 160  # int64s: [MAGIC, 5 ints, n_tensors, names_len, payload_bytes], then one row per tensor
+MAGIC = 0x6469_6765  # "dige"
+MAX_DIMS = 7
+FIXED = 9  # the header's fixed fields before the first tensor row
+ALIGN = 8
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.float64]
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _row(i: int) -> int:
+    """Where tensor i's row (dtype, ndim, shape[MAX_DIMS]) starts in the header."""
+    return FIXED + i * (2 + MAX_DIMS)
+
+
+def pack_fragment(fragment: Fragment) -> tuple[torch.Tensor, torch.Tensor]:
+    """(header [HEADER_LEN] int64, payload [bytes] uint8) of a CPU fragment."""
+    tensors = fragment.tensors()
+    names = ",".join(tensors).encode()
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    chunks = [torch.frombuffer(bytearray(names.ljust(_aligned(len(names)), b" ")), dtype=torch.uint8)]
+    for i, t in enumerate(tensors.values()):
+        row = _row(i)
+        if t.ndim > MAX_DIMS or row + 2 + MAX_DIMS > HEADER_LEN:
+            raise ValueError(f"fragment has {len(tensors)} tensors / {t.ndim} dims: over the header's capacity")
+        header[row], header[row + 1] = _DTYPES.index(t.dtype), t.ndim
+        header[row + 2:row + 2 + t.ndim] = torch.tensor(t.shape)
+        raw = t.contiguous().reshape(-1).view(torch.uint8)
+        chunks += [raw, torch.zeros(_aligned(raw.numel()) - raw.numel(), dtype=torch.uint8)]
+    payload_bytes = sum(c.numel() for c in chunks)
+    header[:FIXED] = torch.tensor([MAGIC, *fragment.ints(), len(tensors), len(names), payload_bytes])
+    return header, torch.cat(chunks)
+
+
+def unpack_fragment(header: torch.Tensor, buffer: torch.Tensor) -> Fragment:
+    """Fragment whose tensors are views into `buffer` (the uint8 payload described by `header`)."""
+    if int(header[0]) != MAGIC:
+        raise RuntimeError(f"fragment header has magic {int(header[0]):#x}, expected {MAGIC:#x}: "
+                           "the streams are out of step")
+    ints = [int(x) for x in header[1:6]]
+    n_tensors, names_len = int(header[6]), int(header[7])
+    keys = bytes(buffer[:names_len].tolist()).decode().split(",")
+    offset, tensors = _aligned(names_len), {}
+    for i, key in enumerate(keys[:n_tensors]):
+        row = _row(i)
+        dtype, ndim = _DTYPES[int(header[row])], int(header[row + 1])
+        shape = [int(x) for x in header[row + 2:row + 2 + ndim]]
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        tensors[key] = buffer[offset:offset + nbytes].view(dtype).reshape(shape)
+        offset += _aligned(nbytes)
+    return Fragment.from_parts(ints, tensors)
+
+
+def _transmit(fragment: Fragment, move: Callable[[torch.Tensor], None]) -> None:
+    header, payload = pack_fragment(fragment.to("cpu"))
+    move(header)
+    move(payload)  # [payload bytes] uint8
+
+
+def _receive(move: Callable[[torch.Tensor], None]) -> Fragment:
+    header = torch.empty(HEADER_LEN, dtype=torch.int64)
+    move(header)
+    buffer = torch.empty(int(header[8]), dtype=torch.uint8)
+    move(buffer)
+    return unpack_fragment(header, buffer)
+
+
+def send_fragment(fragment: Fragment, dst: int, group=None) -> None:
+    def move(t: torch.Tensor) -> None:
+        dist.send(t, dst=dst, group=group)
+    _transmit(fragment, move)
+
+
+def recv_fragment(src: int, group=None) -> Fragment:
+    def move(t: torch.Tensor) -> None:
+        dist.recv(t, src=src, group=group)
+    return _receive(move)
+
+
+def broadcast_fragment(fragment: Fragment | None, src: int, group=None) -> Fragment:
+    """Every rank of `group` returns the fragment that global rank `src` holds."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return fragment
+
+    def move(t: torch.Tensor) -> None:
+        dist.broadcast(t, src=src, group=group)
+    if dist.get_rank() == src:
+        _transmit(fragment, move)
+        return fragment
+    return _receive(move)
+
+
+class FragmentSender:
+    """A background thread that sends finished fragments (gloo, CPU tensors, a group no other thread uses
+    meanwhile), so generation of the next one starts at once. `send(fragment, dst)` is the actual send
+    (main.py wraps send_fragment in a tracing span)."""
+
+    def __init__(self, send: Callable[[Fragment, int], None]):
+        self.send, self.items, self.error = send, queue_lib.Queue(), None
+        self.thread = threading.Thread(target=self._run, name="fragment-sender", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while (item := self.items.get()) is not None:
+                self.send(*item)
+        except BaseException as exc:  # noqa: BLE001  (re-raised on the main thread)
+            self.error = exc
+
+    def raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"fragment sender failed: {self.error}") from self.error
+
+    def put(self, fragment: Fragment, dst: int) -> None:
+        self.raise_if_failed()
+        self.items.put((fragment, dst))
+
+    def close(self) -> None:
+        """Send what is queued, then stop. No deadline: each send completes when its trainer receives it,
+        and a dead trainer ends the job through liveness."""
+        self.items.put(None)
+        self.thread.join()
+        self.raise_if_failed()
+
+
+# --- bucketed weight publishing ----------------------------------------------------------------------------
+PUBLISH_BUCKET_BYTES = 32 << 20  # both ends cut the stream into the same buckets (fits_bucket)
+
+
+def fits_bucket(bucket: list[tuple[int, torch.dtype]], nbytes: int, dtype: torch.dtype, limit: int) -> bool:
+    """Whether a tensor of `nbytes` bytes in `dtype` joins the open bucket (same dtype, total <= limit)."""
+    return bool(bucket) and bucket[0][1] == dtype and sum(b for b, _ in bucket) + nbytes <= limit
+
+
+def publish_weights(tensors: Iterable[torch.Tensor], count: int, version: int, src: int, group,
+                    dtypes: list[torch.dtype] | None = None, bucket_bytes: int = PUBLISH_BUCKET_BYTES) -> None:
+    """The sender: broadcast (version, count) then the `count` tensors as CPU tensors in `dtypes` (the
+    receivers' parameter dtypes), packed into buckets. `tensors` may gather each one just in time (FSDP), so
+    at most one bucket, its flat copy and one whole tensor are held here at once. count 0: the header only."""
+    dist.broadcast(torch.tensor([version, count], dtype=torch.int64), src=src, group=group)
+    bucket: list[torch.Tensor] = []
+    plan: list[tuple[int, torch.dtype]] = []  # (bytes, dtype) of the bucket's tensors: what fits_bucket reads
+
+    def flush() -> None:
+        flat = bucket[0].reshape(-1) if len(bucket) == 1 else torch.cat([b.reshape(-1) for b in bucket])
+        bucket.clear()
+        plan.clear()
+        dist.broadcast(flat, src=src, group=group)  # [bucket numel] in the bucket's dtype
+
+    sent = 0
+    for t in tensors:  # (not enumerate: its reused result tuple would keep the last tensor alive)
+        wire = t.detach().to("cpu", dtypes[sent] if dtypes is not None else t.dtype).contiguous()
+        del t  # let a just-in-time gathered tensor go before the next one is gathered
+        nbytes = wire.numel() * wire.element_size()
+        if bucket and not fits_bucket(plan, nbytes, wire.dtype, bucket_bytes):
+            flush()
+        bucket.append(wire)
+        plan.append((nbytes, wire.dtype))
+        del wire
+        sent += 1
+    if bucket:
+        flush()
+    if sent != count:
+        raise RuntimeError(f"published {sent} tensors, announced {count}")
+
+
+def receive_buckets(src: int, group, shapes: list[tuple[torch.Size, torch.dtype]],
+                    bucket_bytes: int = PUBLISH_BUCKET_BYTES) -> list[torch.Tensor]:
+    """The publisher's buckets, cut the same way (fits_bucket); returns one view per weight."""
+    buffers: list[torch.Tensor] = []
+    bucket: list[tuple[int, torch.dtype]] = []
+
+    def take() -> None:
+        flat = torch.empty(sum(b for b, _ in bucket) // bucket[0][1].itemsize, dtype=bucket[0][1])
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        for shape, _ in shapes[len(buffers):len(buffers) + len(bucket)]:
+            buffers.append(flat[offset:offset + shape.numel()].view(shape))
+            offset += shape.numel()
+        bucket.clear()
+
+    for shape, dtype in shapes:
+        nbytes = shape.numel() * dtype.itemsize
+        if bucket and not fits_bucket(bucket, nbytes, dtype, bucket_bytes):
+            take()
+        bucket.append((nbytes, dtype))
+    if bucket:
+        take()
+    return buffers
+
+
+def receive_weights(src: int, group, shapes: list[tuple[torch.Size, torch.dtype]],
+                    bucket_bytes: int = PUBLISH_BUCKET_BYTES) -> tuple[int, list[torch.Tensor]]:
+    """The receiver (blocks until the next publish): (version, one tensor per weight); (version, []) for a
+    header-only message (tcss.STOP)."""
+    header = torch.empty(2, dtype=torch.int64)
+    dist.broadcast(header, src=src, group=group)
+    version, count = int(header[0]), int(header[1])
+    if count == 0:
+        return version, []
+    if count != len(shapes):
+        raise RuntimeError(f"published weights have {count} tensors, this model has {len(shapes)}")
+    return version, receive_buckets(src, group, shapes, bucket_bytes)
+
+
+# --- TSP's commands ----------------------------------------------------------------------------------------
+def broadcast_command(command: tuple[int, int, int] | None, src: int, group) -> tuple[int, int, int]:
+    """The leader's (kind, a, b) to every trainer (data plane: a CPU tensor on a gloo group)."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return command
+    message = torch.tensor(command if command is not None else (0, 0, 0), dtype=torch.int64)
+    dist.broadcast(message, src=src, group=group)
+    return tuple(int(x) for x in message)

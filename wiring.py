@@ -1,0 +1,131 @@
+"""The callables main.py hands the mechanisms: transport (transport.py) wrapped in tracing spans and liveness
+names, the rollout's timed generation (TAG's predictor reads it), and the trainer group's fragments per step.
+
+    send = Send(tracer, group)                                 # gap.rollout_loop's send, on the sender thread
+    generate = TimedGenerate(generate_fragment, rank, times)   # reports seconds per group to tag.RolloutTimes
+    fragments = TrainerFragments(...)                          # gap.TrainerSide.fragments_of: dealt or TSP
+
+None of these decide anything: the decisions are the mechanisms' (gap, tsp, tag, tcss).
+"""
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Iterable
+
+import comm
+import gap
+import tag
+import transport
+import tsp
+from infra.progress import Progress
+
+
+class Send:
+    """A fragment to rank `dst` over the world's data group, inside a "send" span."""
+
+    def __init__(self, tracer, group):
+        self.tracer, self.group = tracer, group
+
+    def __call__(self, fragment: gap.Fragment, dst: int) -> None:
+        with self.tracer.span("send", step=fragment.step, first_group=fragment.first_group):
+            transport.send_fragment(fragment, dst, group=self.group)
+
+
+class TimedGenerate:
+    """generate(step, first, count, version) on a rollout rank, its time per group reported for TAG."""
+
+    def __init__(self, generate: Callable[..., gap.Fragment], rank: int, times: tag.RolloutTimes):
+        self.generate, self.rank, self.times = generate, rank, times
+
+    def __call__(self, step: int, first: int, count: int, version: int) -> gap.Fragment:
+        start = time.perf_counter()
+        fragment = self.generate(step, first, count, version, self.rank)
+        self.times.report(self.rank, time.perf_counter() - start, count)
+        return fragment
+
+
+def destination(groups: comm.Groups, spread: bool, seq: int) -> int:
+    """Where announced fragment `seq` goes: the leader under TSP (it shares it), else dealt round-robin."""
+    return groups.leader if spread else groups.trainer_ranks[seq % groups.num_trainers]
+
+
+class TrainerFragments:
+    """The fragments this trainer trains in a step: without TSP whole fragments dealt round-robin (GAP); with
+    TSP the trainer group's lockstep, the leader deciding (tsp.wait_for_arrival, or TAG's strategy)."""
+
+    def __init__(self, cfg, groups: comm.Groups, queue: gap.FragmentQueue, tracer, progress: Progress,
+                 generate: Callable[..., gap.Fragment], version: Callable[[], int],
+                 assistant: tag.Assistant | None):
+        self.cfg, self.groups, self.queue, self.tracer, self.progress = cfg, groups, queue, tracer, progress
+        self.generate, self.version, self.assistant = generate, version, assistant
+        self.per_step = gap.num_fragments(cfg.prompts_per_step, cfg.fragment_groups)
+
+    def __call__(self, step: int) -> Iterable[gap.Fragment]:
+        g = self.groups
+        if not self.cfg.tsp:
+            return gap.dealt_fragments(self.queue, step, self.per_step, g.trainer_index, g.num_trainers,
+                                       functools.partial(self.receive, step))
+        poll = functools.partial(self.arrived, step)
+        if self.assistant is not None:
+            decide = self.assistant.strategy(step, poll, tsp.TRAIN, tsp.PRODUCE)  # TAG
+        else:
+            decide = tsp.wait_for_arrival(poll)
+        return tsp.lockstep_fragments(self.cfg.prompts_per_step, g.is_leader, functools.partial(self.wait, step, decide),
+                                      self.share_command, functools.partial(self.receive_seq, step),
+                                      self.share_fragment, functools.partial(self.assist, step))
+
+    def arrived(self, step: int, seq: int) -> bool:
+        return self.queue.poll(step, seq) is not None
+
+    def wait(self, step: int, decide: Callable[[int, int], tsp.Command], next_seq: int, done: int) -> tsp.Command:
+        with self.tracer.span("wait", step=step, what="fragment"):
+            return decide(next_seq, done)
+
+    def receive(self, step: int, announcement: gap.Announcement) -> gap.Fragment:
+        with self.tracer.span("recv", step=step, first_group=announcement.first_group):
+            return transport.recv_fragment(announcement.producer, group=self.groups.world_data)
+
+    def receive_seq(self, step: int, seq: int) -> gap.Fragment:
+        return self.receive(step, self.queue.wait(step, seq))
+
+    def share_command(self, command: tsp.Command | None) -> tsp.Command:
+        with self.progress.inside("command broadcast"):
+            return transport.broadcast_command(command, self.groups.leader, self.groups.trainer_data)
+
+    def share_fragment(self, fragment: gap.Fragment | None) -> gap.Fragment:
+        with self.progress.inside("fragment broadcast"):
+            return transport.broadcast_fragment(fragment, self.groups.leader, self.groups.trainer_data)
+
+    def share_part(self, part: gap.Fragment | None, owner: int) -> gap.Fragment:
+        with self.progress.inside("tag share"):
+            return transport.broadcast_fragment(part, self.groups.trainer_ranks[owner], self.groups.trainer_data)
+
+    def assist(self, step: int, first: int, count: int) -> gap.Fragment:
+        """TAG, on every trainer: generate its share of the claimed groups with the current weights."""
+        start = time.perf_counter()
+        generate = functools.partial(self.generate_groups, step)
+        fragment = tag.assisted_generation(first, count, self.groups.num_trainers, self.groups.trainer_index,
+                                           generate=generate, share=self.share_part, concat=gap.concat_fragments,
+                                           lockstep=self.cfg.fsdp)  # FSDP: equal forwards on every trainer
+        if self.assistant is not None:
+            self.assistant.generated_groups(step, count, time.perf_counter() - start)
+        return fragment
+
+    def generate_groups(self, step: int, first: int, count: int) -> gap.Fragment:
+        return self.generate(step, first, count, self.version(), tag.TAG_PRODUCER)
+
+
+def assistant(cfg, groups: comm.Groups, queue: gap.FragmentQueue, job) -> tag.Assistant:
+    """TAG on the trainer leader: the queue's claims and counts, the rollout ranks' reported times."""
+    times = tag.RolloutTimes(job.prefixed("timing"), groups.rollout_ranks, cfg.fragment_groups)
+    return tag.Assistant(cfg.prompts_per_step, cfg.fragment_groups, len(groups.rollout_ranks), groups.num_trainers,
+                         quantum=groups.num_trainers if cfg.fsdp else 1, claim=queue.claim,
+                         claimed=queue.num_claimed, announced_groups=queue.num_announced_groups,
+                         rollout_gen_s=times.per_fragment_s, steps=cfg.steps)
+
+
+def publish(groups: comm.Groups, dtype, tensors, count: int, version: int) -> None:
+    """The leader's weights to the rollout ranks, in the rollout's dtype (bf16 even with fp32 masters here)."""
+    transport.publish_weights(tensors, count, version, groups.leader, groups.publish,
+                              dtypes=None if dtype is None else [dtype] * count)
