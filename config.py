@@ -15,6 +15,7 @@ import os
 from typing import Optional
 
 import presets
+from infra.saved_config import renamed_fields
 
 MODES = {
     # mode: (placement, gap, tsp, tag, async)
@@ -22,7 +23,7 @@ MODES = {
     "colocated": ("colocated", False, False, False, False),
     "naive": ("disaggregated", False, False, False, False),
 }
-MECHANISM_FIELDS = ("placement", "gap", "tsp", "tag", "use_async")
+MECHANISM_FIELDS = ("placement", "gap", "tsp", "tag", "use_tcss")
 
 
 def field(default, help_text, **kw):
@@ -82,7 +83,7 @@ class Config:
                                     "default fragment's 40 pairs, so no padding pairs)")
     tag: Optional[bool] = field(None, "TAG: an idle trainer generates fragments itself when the predictor says "
                                 "the step ends sooner")
-    use_async: Optional[bool] = field(None, "TCSS: rollout may generate the next batch with weights one version "
+    use_tcss: Optional[bool] = field(None, "TCSS: rollout may generate the next batch with weights one version "
                                       "old (--async is accepted too)", flag="tcss", aliases=("async",))
     max_stale_fragments: Optional[int] = field(None, "j: at most this many fragments per step generated one "
                                                "version stale (TCSS); unset = one per rollout rank. Larger hides "
@@ -271,7 +272,7 @@ def resolve(cfg: Config, world: int | None = None) -> Config:
         for name, value in {**preset, **given}.items():  # explicit flags override the mode's preset
             setattr(c, name, value)
         if any(preset[name] != value for name, value in given.items()):
-            c.mode = "custom"  # e.g. --mode digenrl --no-async: label the run by what it really ran
+            c.mode = "custom"  # e.g. --mode digenrl --no-tcss: label the run by what it really ran
     else:
         c.mode = "custom"
         c.placement = c.placement or "disaggregated"
@@ -429,7 +430,7 @@ def _check_placement(c: Config, world_size: int) -> None:
         if not 1 <= c.rollout_ranks < world_size:
             _bad(f"--rollout-ranks {c.rollout_ranks} must be between 1 and {world_size - 1} for {world_size} ranks "
                  "(at least one rank must train)")
-    elif any((c.gap, c.tsp, c.tag, c.use_async)):
+    elif any((c.gap, c.tsp, c.tag, c.use_tcss)):
         _bad("--gap, --tsp, --tag and --tcss need --placement disaggregated (colocated ranks do both jobs)")
     if c.fsdp and not c.tsp:
         _bad("--fsdp needs --tsp: FSDP requires every trainer to run the same number of passes, which only TSP "
@@ -495,18 +496,6 @@ def reward_probe(c: Config, source):
     return rewards.probe_batch(source.train, source.train_metadata, size, c.width or size, frames)
 
 
-def to_json(c: Config) -> str:
-    """config.json's text (infra/rundir.py owns the run directory's files; config imports infra, never back)."""
-    from infra import rundir
-    return rundir.to_json(c)
-
-
 def from_dict(d: dict) -> Config:
     names = {f.name for f in dataclasses.fields(Config)}
-    return Config(**{k: v for k, v in d.items() if k in names})
-
-
-def default_run_name(c: Config) -> str:
-    """A new run's directory name (infra/rundir.py's, which names run directories)."""
-    from infra import rundir
-    return rundir.default_run_name(c)
+    return Config(**{k: v for k, v in renamed_fields(d).items() if k in names})

@@ -132,7 +132,7 @@ def rollout_rank(r: Rank) -> None:
     receive = functools.partial(transport.receive_weights, groups.leader, groups.publish,
                                 [(p.shape, p.dtype) for p in params])
     budget = tcss.StaleBudget(r.job.prefixed("stale"), cfg.max_stale_fragments)
-    weights = tcss.RolloutWeights(tcss.Mailbox(receive), params, budget if cfg.use_async else None,
+    weights = tcss.RolloutWeights(tcss.Mailbox(receive), params, budget if cfg.use_tcss else None,
                                   sender.raise_if_failed, r.tracer, groups.rank == 0)  # TCSS
     times = tag.RolloutTimes(r.job.prefixed("timing"), groups.rollout_ranks, cfg.fragment_groups)
     generate = wiring.TimedGenerate(r.generate, groups.rank, times)  # TAG's predictor reads times
@@ -168,7 +168,7 @@ def trainer_rank(r: Rank):
     train = functools.partial(
         train_fragment, trainer, pairs_of=pairs_of, count=leader or not cfg.tsp,
         total_pairs=gap.total_pairs(cfg.prompts_per_step, cfg.group_size, t_train),  # 1/(N T_train)
-        async_on=cfg.use_async, reward_names=r.reward_fn.names, tracer=r.tracer, pace=r.pace,
+        tcss_on=cfg.use_tcss, reward_names=r.reward_fn.names, tracer=r.tracer, pace=r.pace,
         on_trained=assistant.trained if assistant else None)
     fragments = wiring.TrainerFragments(cfg, groups, r.queue, r.tracer, r.job.progress, r.generate,
                                         trainer.current_version, assistant)  # dealt, or TSP's

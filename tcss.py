@@ -38,10 +38,10 @@ import torch
 STOP = -1  # the version number that tells mailboxes to exit
 
 
-def check_staleness(trainer_version: int, fragment_version: int, async_on: bool) -> int:
+def check_staleness(trainer_version: int, fragment_version: int, tcss_on: bool) -> int:
     """The TCSS bound: 0 or 1 with async, exactly 0 without. Returns the staleness."""
     staleness = trainer_version - fragment_version
-    allowed = (0, 1) if async_on else (0,)
+    allowed = (0, 1) if tcss_on else (0,)
     if staleness not in allowed:
         raise AssertionError(f"a fragment generated with weights version {fragment_version} reached a trainer at "
                              f"version {trainer_version}: staleness {staleness} is outside {allowed}")
@@ -180,7 +180,7 @@ class RolloutWeights:
 
     def version(self, step: int, ahead: bool) -> int:
         """The version that generates the next fragment of batch `step`: on-policy unless generated ahead."""
-        check_staleness(step, self.mailbox.held_version, async_on=ahead)
+        check_staleness(step, self.mailbox.held_version, tcss_on=ahead)
         return self.mailbox.held_version
 
     def after_claims(self, step: int, last_step: int, claim: Callable[[int], tuple[int, int] | None],
@@ -268,13 +268,13 @@ def _demo() -> None:
     wire.put((STOP, []))
     weights.close()
     step, version, x, recorded = made[0]
-    staleness = check_staleness(1, version, async_on=True)
+    staleness = check_staleness(1, version, tcss_on=True)
     new = log_prob(x, theta)
     ratio = torch.exp(new - behaviour_log_prob(new, recorded, stale=staleness == 1))
     print(f"trainer at version 1: fragment of version {version} is stale by {staleness}; "
           f"PPO ratio {ratio:.4f} (on-policy it would be exactly 1)")
     try:
-        check_staleness(2, version, async_on=True)
+        check_staleness(2, version, tcss_on=True)
     except AssertionError:
         print("a fragment two versions old is refused: the one-step bound holds")
 

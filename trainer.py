@@ -183,7 +183,7 @@ class Trainer:
 
     def accumulate(self, fragment, packs, masks, total_pairs: int) -> None:
         """Forward+backward over this rank's packs of a fragment; gradients add into .grad."""
-        stale = tcss.check_staleness(self.version, fragment.policy_version, async_on=True) == 1
+        stale = tcss.check_staleness(self.version, fragment.policy_version, tcss_on=True) == 1
         kind = "stale" if stale else "fresh"
         for pack, mask in zip(packs, masks):
             batch = gather_pairs(fragment, pack)
@@ -316,12 +316,12 @@ def _like(whole: torch.Tensor, param) -> torch.Tensor:
 
 # --- one fragment ---------------------------------------------------------------------------------------
 def train_fragment(trainer: Trainer, fragment: gap.Fragment, *, pairs_of: Callable, total_pairs: int, count: bool,
-                   async_on: bool, reward_names: list[str], tracer=None, on_trained: Callable | None = None,
+                   tcss_on: bool, reward_names: list[str], tracer=None, on_trained: Callable | None = None,
                    pace: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
     """Train this rank's share of a fragment: pairs_of(m, T_train) -> (packs, masks) is TSP's share or the
     per-timestep loop. `count` on exactly one trainer per fragment (its rewards enter the metrics once).
     `tracer` (a "train" span) and `pace` (infra/emulate.py's benchmark emulation) hook in from outside."""
-    tcss.check_staleness(trainer.version, fragment.policy_version, async_on)  # the TCSS bound
+    tcss.check_staleness(trainer.version, fragment.policy_version, tcss_on)  # the TCSS bound
     if count:
         trainer.count_fragment(fragment, reward_names)
     packs, masks = pairs_of(*fragment.latents.shape[:2])

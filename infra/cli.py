@@ -10,7 +10,7 @@ import comm
 import config
 import models
 import presets
-from infra import lifeline
+from infra import lifeline, rundir
 from infra.runlock import RunLock, check_new_run
 
 ONE_RANK = ("[digenrl] one rank: running colocated (generate, then train, on this rank); the disaggregated modes "
@@ -64,7 +64,7 @@ def prepare(argv=None) -> config.Config:
     if world == 1 and parsed.mode is None and parsed.placement is None:  # the default mode, on one rank
         print(ONE_RANK, file=sys.stderr, flush=True)
     if cfg.run_name is None and cfg.resume is None:
-        cfg.run_name = config.default_run_name(cfg)
+        cfg.run_name = rundir.default_run_name(cfg)
     return cfg
 
 
@@ -80,7 +80,7 @@ def main(argv, run_rank, launch) -> int:
         rank = int(os.environ["RANK"]) if torchrun else 0
         print(f"[digenrl] {presets.describe(cfg)}", flush=True)
         if cfg.dry_run:  # before the lock: a dry run writes nothing
-            print(f"[digenrl] dry run, nothing started; config {config.to_json(cfg)}", flush=True)
+            print(f"[digenrl] dry run, nothing started; config {rundir.to_json(cfg)}", flush=True)
             return 0
         leads = rank == leader_rank(cfg, world) or not torchrun
         lock = lock_run_dir(cfg) if leads else None

@@ -9,7 +9,7 @@ The saved config.json is the resolved Config a run wrote. Flags given on the com
 - with --resume, only the fields in SAFE_ON_RESUME (how long, how often, where to log, how many ranks, timeouts); a
   flag that changes what the checkpoint's weights and optimizer state mean (model, LoRA config, learning rate,
   batch shape, rewards, prompts, ...) is refused with a message, and each accepted override is printed.
-Flags are compared after `resolve`, so repeating the original flags (e.g. --mode digenrl --no-async) is no change.
+Flags are compared after `resolve`, so repeating the original flags (e.g. --mode digenrl --no-tcss) is no change.
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ def read_saved(path: str, config_cls) -> dict:
     if not isinstance(saved, dict):
         raise ValueError(f"{path!r} is not a saved configuration (a JSON object of Config fields)")
     names = {f.name for f in dataclasses.fields(config_cls)}
+    saved = renamed_fields(saved)
     unknown = sorted(set(saved) - names)
     if unknown:
         print(f"[digenrl] {path}: ignoring fields this version does not have: {', '.join(unknown)}", file=sys.stderr)
@@ -58,8 +59,21 @@ def read_saved(path: str, config_cls) -> dict:
     return saved
 
 
+RENAMED = {"use_async": "use_tcss"}  # old config.json key -> today's field (runs saved before the rename)
+
+
+def renamed_fields(saved: dict) -> dict:
+    """A saved config with its old field names mapped to today's (a value under the new name wins)."""
+    out = dict(saved)
+    for old, new in RENAMED.items():
+        if old in out:
+            value = out.pop(old)
+            out.setdefault(new, value)
+    return out
+
+
 def _flag(name: str) -> str:
-    return "--" + {"use_async": "async"}.get(name, name).replace("_", "-")
+    return "--" + {"use_tcss": "tcss"}.get(name, name).replace("_", "-")
 
 
 def merge(parser, argv, config_cls, resolve):

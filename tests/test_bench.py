@@ -18,7 +18,7 @@ def test_mode_flags_resolve_to_the_mechanism_mix(mode):
     from test_simulate import MECHANISMS
 
     cfg = config_lib.resolve(config_lib.parse_args(bench.mode_flags(mode)))
-    assert (cfg.placement, cfg.gap, cfg.tsp, cfg.tag, cfg.use_async) == MECHANISMS[mode]
+    assert (cfg.placement, cfg.gap, cfg.tsp, cfg.tag, cfg.use_tcss) == MECHANISMS[mode]
     assert cfg.mode == (mode if mode in ("colocated", "naive", "digenrl") else "custom")
 
 

@@ -266,7 +266,7 @@ class _WritesMarker:
 
 def test_a_state_pt_that_would_run_code_is_refused_on_resume(tmp_path, monkeypatch, capsys):
     """--resume loaded state.pt with weights_only=False: a shared checkpoint ran arbitrary code on load."""
-    from config import to_json
+    from infra.rundir import to_json
     from infra import rundir
 
     cfg = main.prepare(["--mode", "colocated", "--nproc", "1", "--run-name", "x", "--out-dir", str(tmp_path)])

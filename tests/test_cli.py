@@ -134,3 +134,17 @@ def test_killing_a_rank_ends_the_job_with_a_message_naming_it(victim, tiny_cache
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_config_saved_before_the_tcss_rename_still_loads(tmp_path):
+    """use_async was renamed use_tcss: a config.json written before the rename keeps its TCSS setting."""
+    import json
+
+    import config
+    from infra.saved_config import read_saved
+
+    old = tmp_path / "config.json"
+    old.write_text(json.dumps({"model": "flux", "use_async": False, "steps": 7}))
+    assert read_saved(str(old), config.Config)["use_tcss"] is False
+    assert config.from_dict({"use_async": True}).use_tcss is True
+    assert config.from_dict({"use_async": True, "use_tcss": False}).use_tcss is False  # the new name wins

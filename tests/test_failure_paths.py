@@ -44,7 +44,7 @@ def _fragment(step, first, count, version, producer, group_size=2):
                         sigmas_next=z(m, 1), log_probs=z(m, 1), rewards=z(m), reward_parts=z(m, 1), advantages=z(m))
 
 
-def _worker(rank, world, store, fault, use_async, fragment_groups, groups_per_step):
+def _worker(rank, world, store, fault, use_tcss, fragment_groups, groups_per_step):
     data, publish = dist.new_group([0, 1]), dist.new_group([0, 1])  # as comm.py: one group per thread that talks
     queue = gap.FragmentQueue(dist.PrefixStore("queue", store), groups_per_step)
     weights = [torch.arange(4.0)]
@@ -77,7 +77,7 @@ def _worker(rank, world, store, fault, use_async, fragment_groups, groups_per_st
         return _fragment(step, first, count, version, 0)
 
     sender = transport.FragmentSender(failing_send)
-    budget = tcss.StaleBudget(dist.PrefixStore("stale", store), 1) if use_async else None
+    budget = tcss.StaleBudget(dist.PrefixStore("stale", store), 1) if use_tcss else None
     weights = tcss.RolloutWeights(tcss.Mailbox(failing_receive), params, budget, also_check=sender.raise_if_failed)
     gap.rollout_loop(rank=0, steps=range(STEPS), queue=queue, fragment_groups=fragment_groups, generate=generate,
                      send=sender.put, destination_of=lambda seq: 1, weights=weights)
@@ -98,9 +98,9 @@ MESSAGES = {"sender": "fragment sender failed: injected", "mailbox": "weight mai
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_failing_thread_ends_the_rollout_main_thread_with_its_name(case):
-    fault, use_async, fragment_groups = CASES[case]
+    fault, use_tcss, fragment_groups = CASES[case]
     message = MESSAGES[fault]
-    reports = dist_harness.run(_worker, 2, fault, use_async, fragment_groups, 2, timeout_s=60, needed={0})
+    reports = dist_harness.run(_worker, 2, fault, use_tcss, fragment_groups, 2, timeout_s=60, needed={0})
     report = reports[0]
     print(f"{fault}: the rollout's main thread raised {report.seconds:.2f} s after it started")
     assert not report.ok, report.value

@@ -43,7 +43,7 @@ def test_printed_command_passes_config_validate(family, tiny_cache):
     s = plan_memory.settings(family)[1]
     assert (cfg.model, cfg.rollout_ranks, cfg.fragment_groups, cfg.tsp_pack, cfg.tag, cfg.max_stale_fragments) == (
         family, c.rollout_ranks, c.fragment_groups, c.tsp_pack, c.tag, c.max_stale)
-    assert (cfg.placement, cfg.gap, cfg.tsp, cfg.use_async, cfg.lora) == ("disaggregated", True, True, True, True)
+    assert (cfg.placement, cfg.gap, cfg.tsp, cfg.use_tcss, cfg.lora) == ("disaggregated", True, True, True, True)
     assert (cfg.group_size, cfg.num_steps, cfg.prompts_per_step) == (s["G"], s["T"], 32)
     wl = p.workload(c)  # the simulated workload is the command's: T_train = int(T f) (flow_grpo)
     assert int(cfg.num_steps * cfg.timestep_fraction) == wl.train_steps

@@ -37,12 +37,12 @@ pytestmark = pytest.mark.timeout(60)
 
 # --- TCSS: the staleness bound ------------------------------------------------------------------------
 def test_check_staleness_allows_0_or_1_with_async_and_only_0_without():
-    assert tcss.check_staleness(5, 5, async_on=False) == 0
-    assert tcss.check_staleness(5, 5, async_on=True) == 0
-    assert tcss.check_staleness(5, 4, async_on=True) == 1
-    for trainer_version, fragment_version, async_on in [(5, 4, False), (5, 3, True), (5, 3, False), (4, 5, True)]:
+    assert tcss.check_staleness(5, 5, tcss_on=False) == 0
+    assert tcss.check_staleness(5, 5, tcss_on=True) == 0
+    assert tcss.check_staleness(5, 4, tcss_on=True) == 1
+    for trainer_version, fragment_version, tcss_on in [(5, 4, False), (5, 3, True), (5, 3, False), (4, 5, True)]:
         with pytest.raises(AssertionError, match="staleness"):
-            tcss.check_staleness(trainer_version, fragment_version, async_on)
+            tcss.check_staleness(trainer_version, fragment_version, tcss_on)
 
 
 class OneWeightPolicy:
@@ -101,9 +101,9 @@ def test_train_fragment_refuses_a_stale_fragment_without_async():
     kwargs = dict(pairs_of=lambda m, t: _packs(fragment), total_pairs=4, count=True, reward_names=["c"],
                   tracer=NoSpans())
     with pytest.raises(AssertionError, match="staleness 1"):
-        train_fragment(trainer, fragment, async_on=False, **kwargs)
+        train_fragment(trainer, fragment, tcss_on=False, **kwargs)
     assert "trajectories" not in trainer.metrics.sums  # refused before it was counted or trained
-    train_fragment(trainer, fragment, async_on=True, **kwargs)
+    train_fragment(trainer, fragment, tcss_on=True, **kwargs)
     assert trainer.metrics.sums["stale_fragments"] == 1
 
 

@@ -43,10 +43,10 @@ HETERO_MODES = "colocated,naive,digenrl"
 
 
 def mode_flags(mode: str) -> list[str]:
-    placement, gap, tsp, tag, use_async = simulate.MODES[mode]
+    placement, gap, tsp, tag, use_tcss = simulate.MODES[mode]
     if mode in ("colocated", "naive", "digenrl"):
         return ["--mode", mode]
-    flags = (("--gap", gap), ("--tsp", tsp), ("--tag", tag), ("--async", use_async))
+    flags = (("--gap", gap), ("--tsp", tsp), ("--tag", tag), ("--tcss", use_tcss))
     return ["--placement", placement] + [flag for flag, on in flags if on]
 
 

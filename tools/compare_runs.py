@@ -2,7 +2,7 @@
 cost, and the time each mode takes to reach a reward (over seeds).
 
     python main.py --mode digenrl --steps 150 --seed 1 --run-name async          # TCSS on (default)
-    python main.py --mode digenrl --no-async --steps 150 --seed 1 --run-name sync
+    python main.py --mode digenrl --no-tcss --steps 150 --seed 1 --run-name sync
     python tools/compare_runs.py runs/async runs/sync --out runs/async_vs_sync.png --window 10
 
     # time to reward: repeat a label for its seeds (LABEL=DIR); the target may be a number or a

@@ -25,7 +25,7 @@ from tools import compare_runs  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODE_FLAGS = {"colocated": ["--mode", "colocated"], "naive": ["--mode", "naive"],
-              "digenrl": ["--mode", "digenrl"], "digenrl-sync": ["--mode", "digenrl", "--no-async"]}
+              "digenrl": ["--mode", "digenrl"], "digenrl-sync": ["--mode", "digenrl", "--no-tcss"]}
 
 
 def finished(run_dir: str, steps: int) -> bool:

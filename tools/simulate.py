@@ -59,7 +59,7 @@ def mechanisms(mode: str) -> tuple:
         return config.MODES["colocated"]
     if mode in config.MODES:
         return config.MODES[mode]
-    names = {"gap": "gap", "tsp": "tsp", "tag": "tag", "async": "use_async"}
+    names = {"gap": "gap", "tsp": "tsp", "tag": "tag", "async": "use_tcss"}
     parts = mode.split("+")
     if any(p not in names for p in parts):
         raise ValueError(f"unknown mode {mode!r}: one of {', '.join(config.MODES)}, "
@@ -129,7 +129,7 @@ def _colocated(sim, mode, costs, cluster, wl):
 
 
 def _disaggregated(sim, mode, costs, cluster, wl):
-    _, gap_on, tsp_on, tag_on, async_on = mechanisms(mode)
+    _, gap_on, tsp_on, tag_on, tcss_on = mechanisms(mode)
     P, R, B, G, S = cluster.nproc, cluster.rollout_ranks, wl.groups, wl.group_size, wl.steps
     N, m = B * G, wl.m  # trajectories per step, per fragment
     unit = 1 if wl.tag_split == "trajectories" else G  # TAG's claim unit, in trajectories
@@ -168,7 +168,7 @@ def _disaggregated(sim, mode, costs, cluster, wl):
                 held = state["published"]
             while (got := claim(step, m))[1] > got[0]:
                 yield from produce(step, *got, held)
-            while async_on and step + 1 < S and state["published"] < step + 1:
+            while tcss_on and step + 1 < S and state["published"] < step + 1:
                 stale_claims[step + 1] += 1  # TCSS: the budget j counts fragments
                 if stale_claims[step + 1] > max_stale:
                     break

@@ -8,14 +8,14 @@ machine is, and two runs of one seed make the same schedule (who generates which
   every group still unclaimed.
 - The leader decides only right before it publishes (Assistant.consider with before_publish=True), never
   mid-step, where the counts it would see depend on how far the rollout rank has got.
-- TCSS: with --async, before publishing version v the leader waits until the rollout rank's fragment of step v
+- TCSS: with --tcss, before publishing version v the leader waits until the rollout rank's fragment of step v
   generated ahead (with version v - 1) is announced; the rollout rank cannot miss it (it generates ahead as soon
   as step v - 1 is all claimed, and version v, which would stop it, is what the leader holds back). TAG then
   claims the groups the stale fragment left, and the step trains the stale fragment first, then TAG's. In the
   steps listed in DIGENRL_SCRIPTED_NO_AHEAD (e.g. "2"), the rollout rank does not generate ahead and TAG does
   not claim: the rollout rank generates that step, as in the first step of a run resumed there.
 
-Needs one rollout rank (R = 1) and, with --async, --max-stale-fragments >= 1.
+Needs one rollout rank (R = 1) and, with --tcss, --max-stale-fragments >= 1.
 """
 import os
 import time
@@ -34,7 +34,7 @@ _assistant = wiring.assistant
 
 
 def _scripted_assistant(cfg, *args, **kwargs):
-    _tcss["on"] = bool(cfg.use_async) and (cfg.max_stale_fragments or 0) > 0
+    _tcss["on"] = bool(cfg.use_tcss) and (cfg.max_stale_fragments or 0) > 0
     return _assistant(cfg, *args, **kwargs)
 
 
