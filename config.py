@@ -140,6 +140,12 @@ class Config:
     clip_range: Optional[float] = field(None, "PPO clip range on the averaged log-prob ratio; unset = the published "
                                         "setting with --pretrained (presets.py: Flow-GRPO 1e-4), 1e-2 for the tiny "
                                         "pipelines")
+    updates_per_batch: int = field(1, "M: optimizer updates per RL step (Flow-GRPO: 2, gradient_accumulation_"
+                                   "steps = num_batches_per_epoch // 2). The batch's groups are cut into M "
+                                   "minibatches; every update after the first scores its pairs against the "
+                                   "rollout's log-probs, so the PPO clip acts (with M = 1 a fresh pair's ratio is "
+                                   "1 and the clip never does). More = more learning per sample, smaller "
+                                   "minibatches; weights are still published once per step")
     max_grad_norm: float = field(1.0, "gradient norm clip")
     beta: float = field(0.0, "KL weight to the reference policy; >0 costs one more forward per pair")
     adv_clip: float = field(5.0, "advantages are clipped to +-adv_clip")
@@ -360,6 +366,9 @@ def _check_numbers(c: Config) -> None:
             _bad(f"--{name.replace('_', '-')} must be a positive number, got {value}")
     if not (math.isfinite(c.noise_level) and c.noise_level > 0):
         _bad(f"--noise-level must be > 0 for training (the SDE needs noise), got {c.noise_level}")
+    if not 1 <= c.updates_per_batch <= c.prompts_per_step:
+        _bad(f"--updates-per-batch must be between 1 and --prompts-per-step {c.prompts_per_step} (a minibatch is "
+             f"whole groups), got {c.updates_per_batch}")
     if c.prompt_cache_size < 0:
         _bad(f"--prompt-cache-size must be >= 0 (0 = no cache), got {c.prompt_cache_size}")
     if c.beta < 0 or c.max_stale_fragments < 0 or c.eval_every < 0 or c.save_every < 0 or c.max_bad_steps < 1:

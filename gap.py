@@ -9,8 +9,8 @@ a fragment yields the same trajectories whichever rank generates it and however 
 A finished fragment is announced in the store (sequence number -> producer, groups, destination),
 so the trainer knows whom to receive from without any-source receives (NCCL has none), then sent
 point to point over gloo: a fixed-size int64 header, then one uint8 buffer with every tensor's bytes.
-The trainer side is `consume`: train each fragment as it arrives (GAP) or after the whole batch (the
-naive barrier).
+The trainer side is `trainer_loop`: train each fragment as it arrives (GAP) or after the whole batch
+(the naive barrier), with M updates per batch at fixed group boundaries (`train_in_minibatches`).
 
 Invariant: the update from fragments consumed as they arrive equals the full-batch update (allclose
 in float32): every (sample, timestep) pair carries weight 1/(N T_train) and gradients add.
@@ -67,6 +67,7 @@ class Fragment:
     rewards: torch.Tensor  # [m] the combined reward
     reward_parts: torch.Tensor  # [m, n_rewards] each named reward (for metrics)
     advantages: torch.Tensor  # [m]
+    opens_fragment: bool = True  # False for a later part of a fragment split at a minibatch boundary
 
     @property
     def num_samples(self) -> int:
@@ -83,7 +84,9 @@ class Fragment:
         return out
 
     def to(self, device) -> "Fragment":
-        return Fragment.from_parts(self.ints(), {k: v.to(device) for k, v in self.tensors().items()})
+        moved = Fragment.from_parts(self.ints(), {k: v.to(device) for k, v in self.tensors().items()})
+        moved.opens_fragment = self.opens_fragment
+        return moved
 
     def ints(self) -> list[int]:
         """The header fields, in the order from_parts (and the wire format, transport.py) reads them."""
@@ -271,21 +274,80 @@ def claims(queue: FragmentQueue, step: int, fragment_groups: int,
 
 
 # --- the trainer side: receive and train as fragments arrive ----------------------------------------------
-def consume(fragments: Iterable[Fragment], train: Callable[[Fragment], None], streaming: bool) -> None:
-    """Train each fragment as it arrives (GAP), or (the naive barrier) after the whole batch."""
-    if streaming:
-        for fragment in fragments:
-            train(fragment)
-    else:
-        for fragment in list(fragments):  # receive everything first
-            train(fragment)
-
-
 def dealt_fragments(queue: FragmentQueue, step: int, fragments_per_step: int, trainer_index: int,
-                    num_trainers: int, receive: Callable[[Announcement], Fragment]) -> Iterable[Fragment]:
-    """Without TSP: trainer k of K receives announcements k, k + K, ... and trains whole fragments."""
-    for seq in range(trainer_index, fragments_per_step, num_trainers):
-        yield receive(queue.wait(step, seq))
+                    num_trainers: int, receive: Callable[[Announcement], Fragment]
+                    ) -> Iterable[Fragment | Announcement]:
+    """Without TSP: trainer k of K receives announcements k, k + K, ... and trains whole fragments. The
+    other trainers' announcements are yielded as they are (no data): they tell which groups are in, which
+    is when a minibatch is complete (train_in_minibatches)."""
+    for seq in range(fragments_per_step):
+        announcement = queue.wait(step, seq)
+        yield receive(announcement) if seq % num_trainers == trainer_index else announcement
+
+
+# --- several updates per batch: minibatches of whole groups, fixed before the batch is generated ----------
+def minibatch_bounds(groups_per_step: int, updates: int) -> list[tuple[int, int]]:
+    """Update j of a step trains groups [lo_j, hi_j): M contiguous ranges of the batch's groups, sizes
+    within one group of each other (lo_j = j B // M). The step's prompts are a seeded permutation
+    (fragment_spec), so a range is a random subset of prompts."""
+    if not 1 <= updates <= groups_per_step:
+        raise ValueError(f"--updates-per-batch {updates} must be between 1 and the {groups_per_step} groups of a "
+                         "step (a minibatch is whole groups)")
+    cuts = [j * groups_per_step // updates for j in range(updates + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def minibatch_pairs(bounds: list[tuple[int, int]], group_size: int, num_train_timesteps: int,
+                    fragment: Fragment) -> int:
+    """N_j T_train: the pairs of the minibatch `fragment` (a part of one) lies in; each update's loss is
+    its minibatch's mean, as Flow-GRPO's (with M = 1, the batch's N T_train)."""
+    lo, hi = next(b for b in bounds if b[0] <= fragment.first_group < b[1])
+    return (hi - lo) * group_size * num_train_timesteps
+
+
+def groups_of(fragment: Fragment, lo: int, hi: int) -> Fragment:
+    """The part of `fragment` in groups [lo, hi) of its step (the fragment itself when wholly inside)."""
+    first, g = fragment.first_group, fragment.group_size
+    a, b = max(lo, first), min(hi, first + fragment.num_groups)
+    if (a, b) == (first, first + fragment.num_groups):
+        return fragment
+    rows = slice((a - first) * g, (b - first) * g)  # samples of the groups, batch first
+    ints = fragment.ints()
+    ints[1] = a
+    part = Fragment.from_parts(ints, {k: v[rows] for k, v in fragment.tensors().items()})
+    part.opens_fragment = fragment.opens_fragment and a == first  # a fragment is counted once
+    return part
+
+
+def train_in_minibatches(items: Iterable[Fragment | Announcement], bounds: list[tuple[int, int]],
+                         train: Callable[[Fragment], None], update: Callable[[int], object]) -> None:
+    """Train a step's fragments in M minibatches with one update after each but the last (the caller's
+    optimizer step ends the RL step). A part of minibatch j is trained as it arrives once updates 0..j-1
+    are done, else held; update j runs once every group of minibatch j is in. `items` are this rank's
+    fragments and, for the groups it does not train itself, their ranges (an Announcement): every rank
+    then sees the same boundaries, and the update is the full-batch computation's whatever the arrival
+    order. Deadlock-free with point-to-point sends: each producer claims, and sends, in group order."""
+    held: list[list[Fragment]] = [[] for _ in bounds]
+    covered, current = [0] * len(bounds), 0
+    for item in items:
+        first = item.first_group
+        for j, (lo, hi) in enumerate(bounds):
+            overlap = min(hi, first + item.num_groups) - max(lo, first)
+            if overlap <= 0:
+                continue
+            if j < current:
+                raise AssertionError(f"groups of minibatch {j} arrived after its update")
+            covered[j] += overlap
+            if isinstance(item, Fragment):
+                part = groups_of(item, lo, hi)
+                train(part) if j == current else held[j].append(part)
+        while current < len(bounds) - 1 and covered[current] == bounds[current][1] - bounds[current][0]:
+            update(current)
+            current += 1
+            for part in held[current]:
+                train(part)
+    if current != len(bounds) - 1 or covered[-1] != bounds[-1][1] - bounds[-1][0]:
+        raise AssertionError(f"a step ended with groups missing: covered {covered} of {bounds}")
 
 
 def nothing(*args) -> None:
@@ -295,25 +357,32 @@ def nothing(*args) -> None:
 @dataclasses.dataclass
 class TrainerSide:
     """What a trainer rank does, filled in by main.py: which fragments it trains in a step (dealt, or TSP's
-    lockstep), how it trains one, the optimizer step, publishing (TCSS), and the end of a step."""
+    lockstep), how it trains one, the updates (several per batch: `bounds`), publishing (TCSS), the end of a
+    step. A version is one RL step: published once per step, whatever the number of updates."""
 
-    fragments_of: Callable[[int], Iterable[Fragment]]
+    fragments_of: Callable[[int], Iterable[Fragment | Announcement]]
     train: Callable[[Fragment], None]
-    optimizer_step: Callable[[int], dict]
+    optimizer_step: Callable[[int], dict]  # the step's last update, then its metrics
     version: Callable[[], int]
     publish: Callable[[int], None]
     end_step: Callable[[int, dict], None]
     before_publish: Callable[[int], object] = nothing  # TAG: claim a share of the next batch
+    update: Callable[[int], object] = nothing  # an update inside the step (minibatch j < M - 1 done)
+    bounds: list[tuple[int, int]] = dataclasses.field(default_factory=lambda: [(0, 2**62)])
+
+    def train_step(self, step: int, items: Iterable[Fragment | Announcement]) -> dict:
+        train_in_minibatches(items, self.bounds, self.train, lambda j: self.update(step))
+        return self.optimizer_step(step)
 
 
 def trainer_loop(side: TrainerSide, steps: range, streaming: bool) -> None:
     """A trainer rank: per step, train the fragments as they arrive (GAP) or after the whole batch, one
-    optimizer step, publish the new weights, then log/evaluate/checkpoint (after publishing, so the rollout
-    ranks are not kept waiting)."""
+    update per minibatch, publish the new weights, then log/evaluate/checkpoint (after publishing, so the
+    rollout ranks are not kept waiting)."""
     side.publish(side.version())  # version 0, or the resumed one: rollout ranks take their first weights
     for step in steps:
-        consume(side.fragments_of(step), side.train, streaming)
-        metrics = side.optimizer_step(step)
+        items = side.fragments_of(step)
+        metrics = side.train_step(step, items if streaming else list(items))
         side.before_publish(step)
         side.publish(side.version())
         side.end_step(step, metrics)
@@ -327,14 +396,17 @@ def static_claims(groups_per_step: int, fragment_groups: int, rank: int, world: 
 
 
 def colocated_loop(side: TrainerSide, steps: range, my_claims: Callable[[int], list[tuple[int, int]]],
-                   generate: Callable[[int, int, int, int], Fragment]) -> None:
+                   generate: Callable[[int, int, int, int], Fragment],
+                   all_claims: Callable[[int], list[tuple[int, int]]]) -> None:
     """The colocated baseline (Flow-GRPO / veRL-Omni style), no pipeline: generate this rank's static share
-    of the batch, train it, then one optimizer step with gradients summed over every rank."""
+    of the batch (my_claims), then train it, one update per minibatch with gradients summed over every
+    rank; the other ranks' claims (all_claims minus mine) only mark their groups as in."""
     for step in steps:
-        fragments = [generate(step, first, count, side.version()) for first, count in my_claims(step)]
-        for fragment in fragments:
-            side.train(fragment)
-        side.end_step(step, side.optimizer_step(step))
+        mine = my_claims(step)
+        fragments = [generate(step, first, count, side.version()) for first, count in mine]
+        others = [Announcement(-1, first, count, -1) for first, count in all_claims(step)
+                  if (first, count) not in mine]
+        side.end_step(step, side.train_step(step, [*fragments, *others]))
 
 
 # --- python3 gap.py: the mechanism alone, on fake ranks --------------------------------------------------
@@ -382,16 +454,26 @@ def _demo() -> None:
               f"from rollout rank {fragment.producer}; gradient so far {theta.grad.norm():.4f}")
 
     threads = [threading.Thread(target=rollout, args=(r,)) for r in range(rollouts)]
-    print(f"GAP: {rollouts} rollout ranks claim {groups} groups one at a time; the trainer trains each on arrival")
+    print(f"GAP: {rollouts} rollout ranks claim {groups} groups one at a time; the trainer trains each on arrival, "
+          f"with 2 updates per batch: groups [0, 3), then [3, 6)")
     for t in threads:
         t.start()
-    consume((mailbox.get() for _ in range(groups)), train, streaming=True)
+    bounds = minibatch_bounds(groups, 2)
+    grads: list[torch.Tensor] = []
+
+    def update(j: int) -> None:
+        grads.append(theta.grad.clone())
+        theta.grad = None
+        print(f"  update {j}: every group of [{bounds[j][0]}, {bounds[j][1]}) is in")
+    train_in_minibatches((mailbox.get() for _ in range(groups)), bounds, train, update)
+    update(1)  # the step's last update
     for t in threads:
         t.join()
     whole = concat_fragments([generate(0, 0, groups, 0, 0)])
-    streamed, theta.grad = theta.grad.clone(), None
-    train(whole)
-    print(f"streamed gradient == full-batch gradient: {torch.allclose(streamed, theta.grad)}")
+    for j, (lo, hi) in enumerate(bounds):
+        train(groups_of(whole, lo, hi))
+        print(f"minibatch {j}: streamed gradient == full-batch gradient: {torch.allclose(grads[j], theta.grad)}")
+        theta.grad = None
 
 
 if __name__ == "__main__":

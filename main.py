@@ -163,25 +163,27 @@ def trainer_rank(r: Rank):
                                gathers=cfg.fsdp, tracer=r.tracer,
                                on_published=assistant.published if assistant else None)  # TCSS
     t_train = rollout.num_train_timesteps(r.sampling)
+    bounds = gap.minibatch_bounds(cfg.prompts_per_step, cfg.updates_per_batch)  # M updates a step
     pairs_of = functools.partial(tsp.trainer_packs, rank=groups.trainer_index, pack=cfg.tsp_pack,
                                  world=groups.num_trainers, spread=cfg.tsp)  # TSP: my share, packed
     train = functools.partial(
         train_fragment, trainer, pairs_of=pairs_of, count=leader or not cfg.tsp,
-        total_pairs=gap.total_pairs(cfg.prompts_per_step, cfg.group_size, t_train),  # 1/(N T_train)
+        total_pairs=functools.partial(gap.minibatch_pairs, bounds, cfg.group_size, t_train),
         tcss_on=cfg.use_tcss, reward_names=r.reward_fn.names, tracer=r.tracer, pace=r.pace,
         on_trained=assistant.trained if assistant else None)
     fragments = wiring.TrainerFragments(cfg, groups, r.queue, r.tracer, r.job.progress, r.generate,
                                         trainer.current_version, assistant)  # dealt, or TSP's
     side = gap.TrainerSide(fragments_of=fragments, train=train, version=trainer.current_version,
                            optimizer_step=books.optimizer_step, publish=publisher.publish,
-                           end_step=books.end_step,
+                           end_step=books.end_step, update=books.update,
+                           bounds=bounds,
                            before_publish=assistant.before_publish if assistant else gap.nothing)
     books.forgetting(r.queue.forget_old if leader and r.queue else gap.nothing,
                      assistant.forget if assistant else gap.nothing)
     if groups.role == "colocated":
-        claims = functools.partial(gap.static_claims, cfg.prompts_per_step, cfg.fragment_groups,
-                                   groups.rank, groups.world)
-        gap.colocated_loop(side, r.steps, claims, r.generate_own)
+        claims = functools.partial(gap.static_claims, cfg.prompts_per_step, cfg.fragment_groups)
+        gap.colocated_loop(side, r.steps, functools.partial(claims, groups.rank, groups.world),
+                           r.generate_own, functools.partial(claims, 0, 1))
     else:
         gap.trainer_loop(side, r.steps, streaming=cfg.gap)  # GAP
         publisher.stop()

@@ -102,7 +102,11 @@ class Trainer:
         else:
             self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
         self.step_fn = step_fn(cfg.algo)
-        self.version = 0  # the weights version this trainer holds (= optimizer steps taken)
+        self.version = 0  # the weights version this trainer holds (= RL steps taken, whatever M)
+        self.updates_in_step = 0  # optimizer updates already taken in this RL step (0 .. M - 1)
+        self.probe: tuple | None = None  # the last pack trained since the last update, for update_kl
+        self.nonfinite_loss = False  # a pack since the last update had a non-finite loss
+        self.grad_norms: list[float] = []  # this RL step's updates (global norms: the same on every trainer)
         self.bad_steps_in_a_row = 0
         self.metrics = MetricSums()
 
@@ -182,16 +186,20 @@ class Trainer:
         return loss, stats, logp.detach()
 
     def accumulate(self, fragment, packs, masks, total_pairs: int) -> None:
-        """Forward+backward over this rank's packs of a fragment; gradients add into .grad."""
+        """Forward+backward over this rank's packs of a fragment; gradients add into .grad. A pair is scored
+        against its recorded log-prob when stale (TCSS) or when this step already took an update ("later":
+        minibatch j > 0, Flow-GRPO's off-policy inner updates): then the ratio moves and the clip acts."""
         stale = tcss.check_staleness(self.version, fragment.policy_version, tcss_on=True) == 1
-        kind = "stale" if stale else "fresh"
+        kind = "stale" if stale else ("later" if self.updates_in_step else "fresh")
         for pack, mask in zip(packs, masks):
             batch = gather_pairs(fragment, pack)
             mask_t = torch.tensor(mask, dtype=torch.float32, device=self.policy.device)  # [p]
-            weights = gap.pair_weights(mask_t, total_pairs)  # 1/(N T_train) per real pair, 0 for padding
-            loss, stats, logp = self.pair_loss(batch, weights, stale)
+            weights = gap.pair_weights(mask_t, total_pairs)  # M/(N T_train) per real pair, 0 for padding
+            loss, stats, logp = self.pair_loss(batch, weights, kind != "fresh")
             loss.backward()
+            self.probe = (batch, logp, mask_t)
             self._bump()
+            self.nonfinite_loss |= not math.isfinite(float(loss.detach()))
             real = float(mask_t.sum())
             if real == 0:
                 continue
@@ -216,9 +224,10 @@ class Trainer:
         m.add("trajectories", n)
         m.add("stale_trajectories", n * (staleness > 0))
         m.add("staleness_sum", n * staleness)
-        m.add("fragments", 1)
-        m.add("stale_fragments", int(staleness > 0))
-        m.add("tag_fragments", int(fragment.producer == tag.TAG_PRODUCER))
+        whole = int(fragment.opens_fragment)  # the parts of a fragment split between two updates count once
+        m.add("fragments", whole)
+        m.add("stale_fragments", whole * int(staleness > 0))
+        m.add("tag_fragments", whole * int(fragment.producer == tag.TAG_PRODUCER))
         r = fragment.rewards.to(torch.float64)
         m.add("reward_sum", r.sum()); m.add("reward_sq", (r**2).sum())  # noqa: E702
         for i, name in enumerate(reward_names):
@@ -228,32 +237,70 @@ class Trainer:
         m.add("groups", groups.shape[0])
         m.add("zero_std_groups", (groups.std(dim=1, unbiased=False) < 1e-6).sum())
 
-    # --- the optimizer step --------------------------------------------------------------------
-    def step(self, reward_names: list[str]) -> dict[str, float]:
-        """Sum gradients over the trainers, clip the global norm, AdamW step; returns the step metrics."""
+    # --- the optimizer updates: M per RL step, the last one ends the step -----------------------------
+    def update(self) -> float:
+        """One update from the gradients accumulated since the last: sum over the trainers, clip the global
+        norm, AdamW (skipped, weights untouched, when a loss or the gradient is not finite). Returns the
+        global gradient norm before clipping."""
         self.all_reduce_gradients()
         with self._inside("grad-norm all-reduce"):
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)  # the global norm
             grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        with self._inside("metrics all-reduce"):
-            self.metrics.reduce(self.data_group)
-        finite = math.isfinite(grad_norm) and math.isfinite(self.metrics.sums.get("loss", 0.0))
+        finite = self._losses_finite() and math.isfinite(grad_norm)  # the collective first, always
         if finite:
             self.optimizer.step()
             self.bad_steps_in_a_row = 0
         else:  # skip: weights and optimizer state stay as they were
             self.bad_steps_in_a_row += 1
         self.optimizer.zero_grad(set_to_none=True)
-        self.version += 1
-        out = summarize(self.metrics, reward_names)
-        out.update(grad_norm=grad_norm, skipped_step=float(not finite),
-                   bad_steps_in_a_row=float(self.bad_steps_in_a_row))
-        self.metrics = MetricSums()
+        self.updates_in_step += 1
+        self.grad_norms.append(grad_norm if finite else math.nan)
+        self._score_probe()
         if self.bad_steps_in_a_row >= self.cfg.max_bad_steps:
             raise FloatingPointError(f"{self.bad_steps_in_a_row} optimizer steps in a row had a non-finite loss or "
                                      f"gradient (--max-bad-steps {self.cfg.max_bad_steps}); aborting")
+        return grad_norm
+
+    def step(self, reward_names: list[str]) -> dict[str, float]:
+        """The RL step's last update, then its metrics over every update and trainer; the version moves on."""
+        grad_norm = self.update()
+        with self._inside("metrics all-reduce"):
+            self.metrics.reduce(self.data_group)
+        norms, self.grad_norms = self.grad_norms, []
+        finite = [n for n in norms if math.isfinite(n)]
+        out = summarize(self.metrics, reward_names)
+        out.update(grad_norm=grad_norm, grad_norm_mean=sum(finite) / max(len(finite), 1), updates=len(norms),
+                   skipped_step=float(len(finite) < len(norms)), skipped_updates=len(norms) - len(finite),
+                   bad_steps_in_a_row=float(self.bad_steps_in_a_row))
+        self.version += 1
+        self.updates_in_step = 0
+        self.metrics = MetricSums()
         return out
 
+    def _losses_finite(self) -> bool:
+        """Every trainer's loss since the last update is finite: agreed over the data group, so all skip."""
+        bad = torch.tensor([float(self.nonfinite_loss)], dtype=torch.float64)
+        self.nonfinite_loss = False
+        if self.data_group is not None and dist.get_world_size(self.data_group) > 1:
+            with self._inside("loss-check all-reduce"):
+                dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.data_group)
+        return not bool(bad.item())
+
+    def _score_probe(self) -> None:
+        """update_kl: the approx KL, 0.5 (log p_after - log p_before)^2, between the weights before and
+        after this update on the last pack trained: how far an update moved the policy on the batch's own
+        pairs (a fresh pair's ratio is 1 by construction, so the loss stats cannot show it). One forward,
+        no backward, on every trainer (the same count under FSDP: every trainer trained a pack)."""
+        if self.probe is None:
+            return
+        batch, before, mask = self.probe
+        self.probe = None
+        with torch.no_grad():
+            v = self.policy.velocity(batch["latents"], batch["sigma"], batch["cond"])  # [p, ...]
+            _, after, _, _ = self.step_fn(v, batch["latents"], batch["sigma"], batch["sigma_next"],
+                                          self.cfg.noise_level, prev_sample=batch["next_latents"])
+            self.metrics.add("update_kl_sum", (0.5 * (after - before) ** 2 * mask).sum())
+            self.metrics.add("update_kl_pairs", mask.sum())
 
     def all_reduce_gradients(self) -> None:
         """Compute plane: one flat all-reduce (sum) of every gradient, on the policy device, main thread.
@@ -279,7 +326,8 @@ def summarize(m: MetricSums, reward_names: list[str]) -> dict[str, float]:
             out[k] = s[k] / pairs
     out["logprob_gap"] = s.get("logprob_gap", 0.0) / pairs
     out["ratio_min"], out["ratio_max"] = m.mins.get("ratio_min", 1.0), m.maxs.get("ratio_max", 1.0)
-    for kind in ("fresh", "stale"):
+    out["update_kl"] = s.get("update_kl_sum", 0.0) / max(s.get("update_kl_pairs", 0.0), 1.0)
+    for kind in ("fresh", "later", "stale"):
         if s.get(f"pairs_{kind}", 0) > 0:
             out[f"ratio_mean_{kind}"] = s[f"ratio_mean_{kind}"] / s[f"pairs_{kind}"]
             out[f"clipfrac_{kind}"] = s.get(f"clipfrac_{kind}", 0.0) / s[f"pairs_{kind}"]
@@ -315,7 +363,8 @@ def _like(whole: torch.Tensor, param) -> torch.Tensor:
 
 
 # --- one fragment ---------------------------------------------------------------------------------------
-def train_fragment(trainer: Trainer, fragment: gap.Fragment, *, pairs_of: Callable, total_pairs: int, count: bool,
+def train_fragment(trainer: Trainer, fragment: gap.Fragment, *, pairs_of: Callable,
+                   total_pairs: int | Callable[[gap.Fragment], int], count: bool,
                    tcss_on: bool, reward_names: list[str], tracer=None, on_trained: Callable | None = None,
                    pace: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
     """Train this rank's share of a fragment: pairs_of(m, T_train) -> (packs, masks) is TSP's share or the
@@ -330,8 +379,9 @@ def train_fragment(trainer: Trainer, fragment: gap.Fragment, *, pairs_of: Callab
     slots = sum(len(mask) for mask in masks)  # what the passes cost: padding included
     span = tracer.span("train", step=fragment.step, first_group=fragment.first_group, pairs=pairs, slots=slots) \
         if tracer is not None else contextlib.nullcontext()
+    pairs_of_minibatch = total_pairs(fragment) if callable(total_pairs) else total_pairs
     with span, pace():
-        trainer.accumulate(fragment.to(trainer.policy.device), packs, masks, total_pairs)
+        trainer.accumulate(fragment.to(trainer.policy.device), packs, masks, pairs_of_minibatch)
     if on_trained is not None:
         on_trained(fragment, time.perf_counter() - start)
 

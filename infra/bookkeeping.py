@@ -61,6 +61,11 @@ class Bookkeeping:
                 scores = self.evaluator(self.policy, self.steps.start)
             self.initial_eval = {f"{k}_initial": v for k, v in scores.items()}
 
+    def update(self, step: int) -> None:
+        """An update inside step `step` (--updates-per-batch > 1): no version, no metrics, no publish."""
+        with self.tracer.span("optimizer", step=step):
+            self.trainer.update()
+
     def optimizer_step(self, step: int) -> dict:
         with self.tracer.span("optimizer", step=step):
             reduced = self.trainer.metrics  # reduced over the trainers in trainer.step: all see the same max

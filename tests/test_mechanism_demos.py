@@ -15,9 +15,10 @@ pytestmark = pytest.mark.timeout(180)
 
 EXPECTED = {
     # GAP: fragments arrive from two rollout ranks and are trained as they come; the streamed gradient is the
-    # full-batch one (the 1/(N T_train) weighting)
+    # full-batch one (the 1/(N T_train) weighting), per minibatch of the two updates
     "gap.py": ["trained fragment of groups [0, 1)", "trained fragment of groups [5, 6)",
-               "streamed gradient == full-batch gradient: True"],
+               "update 0: every group of [0, 3) is in", "minibatch 0: streamed gradient == full-batch gradient: True",
+               "minibatch 1: streamed gradient == full-batch gradient: True"],
     # TSP: packs per trainer, padding, the summed gradient equals the per-timestep loop's; the lockstep loop
     "tsp.py": ["trainer 0: 2 packs", "trainer 1: 2 packs", "summed TSP gradient == per-timestep loop's: True",
                "-> 3 fragments, 3 groups"],

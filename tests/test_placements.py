@@ -25,10 +25,12 @@ SEED = os.environ.get("DIGENRL_TEST_SEED", "3")
 
 COMMON = ["--steps", "1", "--prompts-per-step", "4", "--group-size", "2", "--num-steps", "3", "--eval-every", "0",
           "--save-every", "1", "--seed", SEED, "--timeout-s", "60", "--optimizer", "sgd", "--lr", "1", "--no-trace",
-          "--noise-level", "0.7"]  # test_truth.NOISE_LEVEL, which the outside-truth test below writes out
+          "--noise-level", "0.7",  # test_truth.NOISE_LEVEL, which the outside-truth test below writes out
+          "--updates-per-batch", "2"]  # two updates per step: groups [0, 2), then [2, 4) against recorded log-probs
 DISAGG = ["--placement", "disaggregated", "--gap"]
 CASES = {  # name -> flags; --fragment-groups 1, 2 and 4 cut the same batch of 4 groups into 4, 2 and 1 fragments
     "one_process": ["--mode", "colocated", "--nproc", "1", "--fragment-groups", "1"],
+    "one_process_m1": ["--mode", "colocated", "--nproc", "1", "--fragment-groups", "1", "--updates-per-batch", "1"],
     "one_process_fg4": ["--mode", "colocated", "--nproc", "1", "--fragment-groups", "4"],
     "colocated_2": ["--mode", "colocated", "--nproc", "2", "--fragment-groups", "2"],
     "naive_barrier": ["--mode", "naive", "--nproc", "2", "--fragment-groups", "1"],
@@ -39,7 +41,7 @@ CASES = {  # name -> flags; --fragment-groups 1, 2 and 4 cut the same batch of 4
     "dealt_k2": [*DISAGG, "--nproc", "3", "--fragment-groups", "1"],
 }
 MAX_NORM = 0.005  # --max-grad-norm well below the step's gradient norm (about 0.03 here): clipping engages
-CLIPPED = {"gap_tsp_k2_clip": [*CASES["gap_tsp_k2"], "--max-grad-norm", str(MAX_NORM)]}
+CLIPPED = {"gap_tsp_k2_clip": [*CASES["gap_tsp_k2"], "--max-grad-norm", str(MAX_NORM), "--updates-per-batch", "1"]}
 
 
 def assert_same_update(weights, reference, initial, name, atol=1e-5, weight_ulps=1):
@@ -78,7 +80,7 @@ def run_case(tiny_cache, tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("name", [n for n in CASES if n != "one_process"])
+@pytest.mark.parametrize("name", [n for n in CASES if not n.startswith("one_process")] + ["one_process_fg4"])
 def test_update_equals_the_single_process_update(run_case, initial, name):
     reference, ref_metrics = run_case("one_process")
     weights, metrics = run_case(name)
@@ -90,9 +92,12 @@ def test_update_equals_the_single_process_update(run_case, initial, name):
     assert metrics[0]["staleness_mean"] == 0
 
 
-def test_the_one_process_update_is_minus_the_gradient_of_the_plain_objective(run_case, initial):
+@pytest.mark.parametrize("name, updates", [("one_process_m1", 1), ("one_process", 2)])
+def test_the_one_process_update_is_minus_the_gradient_of_the_plain_objective(run_case, initial, name, updates):
     """Outside truth for the whole path (spec, generation, reward, advantages, loss weights, optimizer):
-    the batch regenerated here, the objective written out in test_truth.py, autograd; sgd lr 1."""
+    the batch regenerated here, the objective written out in test_truth.py, autograd; sgd lr 1. With two
+    updates (Flow-GRPO's inner updates): minus the gradient of minibatch [0, 2)'s mean objective, then minus
+    that of [2, 4)'s at the moved weights, its ratio against the log-probs the rollout recorded."""
     import config
     import gap
     import models
@@ -100,10 +105,10 @@ def test_the_one_process_update_is_minus_the_gradient_of_the_plain_objective(run
     from rollout import SamplingConfig, generate_fragment
     from test_truth import NOISE_LEVEL, plain_flow_grpo_loss
 
-    weights, metrics = run_case("one_process")
-    cfg = config.resolve(config.parse_args([*COMMON, *CASES["one_process"]]))
-    assert (cfg.noise_level, cfg.max_grad_norm, cfg.num_steps) == (NOISE_LEVEL, 1.0, 3)
-    assert metrics[0]["grad_norm"] < cfg.max_grad_norm  # no clipping: the update is the whole gradient
+    weights, metrics = run_case(name)
+    cfg = config.resolve(config.parse_args([*COMMON, *CASES[name]]))
+    assert (cfg.noise_level, cfg.max_grad_norm, cfg.num_steps, cfg.updates_per_batch) == (NOISE_LEVEL, 1.0, 3,
+                                                                                           updates)
     policy = models.load("flux", models.tiny_pipeline_path("flux"), "cpu", torch.float32,
                          max_sequence_length=cfg.text_len)
     models.enable_full_training(policy)
@@ -114,13 +119,24 @@ def test_the_one_process_update_is_minus_the_gradient_of_the_plain_objective(run
     sampling = SamplingConfig(num_steps=3, noise_level=NOISE_LEVEL)  # T_train = int(3 * 0.99) = 2
     fragment = generate_fragment(policy, spec, prompts, sampling, rewards.build_reward("color"), 0, 0)
     assert float(fragment.rewards.mean()) == pytest.approx(metrics[0]["reward_mean"], abs=1e-6)
-    loss = plain_flow_grpo_loss(policy, fragment, None, cfg.clip_range, total_pairs=4 * 2 * 2)
-    gradient = dict(zip(weights, torch.autograd.grad(loss, [params[k] for k in weights])))
-    assert_same_update(weights, {k: initial[k] - g for k, g in gradient.items()}, initial, "plain objective")
+    expected = {k: initial[k].clone() for k in weights}
+    for j, (lo, hi) in enumerate(gap.minibatch_bounds(4, updates)):
+        part = gap.groups_of(fragment, lo, hi)
+        loss = plain_flow_grpo_loss(policy, part, part.log_probs if j else None, cfg.clip_range,
+                                    total_pairs=(hi - lo) * 2 * 2)
+        gradient = dict(zip(weights, torch.autograd.grad(loss, [params[k] for k in weights])))
+        assert sum(float((g ** 2).sum()) for g in gradient.values()) ** 0.5 < cfg.max_grad_norm  # no clipping
+        with torch.no_grad():
+            for k, g in gradient.items():
+                expected[k] -= g
+                params[k].copy_(expected[k])  # the next minibatch's gradient is at the moved weights
+    assert metrics[0]["updates"] == updates and metrics[0]["update_kl"] > 0
+    assert_same_update(weights, expected, initial, "plain objective")
 
 
 def test_clipping_scales_the_global_gradient_across_two_trainers(run_case, initial):
-    reference, ref_metrics = run_case("one_process")
+    """One update (M = 1): with two, the second gradient is taken at clipped-step weights, not a scaling."""
+    reference, ref_metrics = run_case("one_process_m1")
     weights, metrics = run_case("gap_tsp_k2_clip")
     norm = ref_metrics[0]["grad_norm"]
     assert norm > 3 * MAX_NORM, "clipping would not engage: this test would prove nothing"
@@ -145,7 +161,7 @@ SCRIPTED = {"PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "tests", "inject")
             "DIGENRL_TEST_INJECT": "scripted_schedule"}
 TAG_COMMON = ["--steps", "3", "--prompts-per-step", "4", "--group-size", "2", "--num-steps", "3",
               "--fragment-groups", "2", "--eval-every", "0", "--save-every", "3", "--seed", SEED, "--timeout-s", "60",
-              "--optimizer", "sgd", "--lr", "1", "--no-trace"]
+              "--optimizer", "sgd", "--lr", "1", "--no-trace", "--updates-per-batch", "2"]
 
 
 def test_tag_acts_and_the_update_is_unchanged(tiny_cache, tmp_path, initial):
@@ -166,7 +182,7 @@ def test_tag_acts_and_the_update_is_unchanged(tiny_cache, tmp_path, initial):
 
 def test_async_staleness_is_zero_or_one_and_bounded(tiny_cache, tmp_path):
     steps = ["--steps", "4", "--prompts-per-step", "3", "--group-size", "3", "--num-steps", "3", "--eval-every", "0",
-             "--save-every", "0", "--timeout-s", "60", "--nproc", "2", "--no-trace"]
+             "--save-every", "0", "--timeout-s", "60", "--nproc", "2", "--no-trace", "--updates-per-batch", "2"]
     run_main([*steps, "--mode", "digenrl", "--max-stale-fragments", "1", "--run-name", "async"], tmp_path, tiny_cache,
              env=SCRIPTED)  # a stale fragment in every step after the first, whatever the timing
     run_main([*steps, "--placement", "disaggregated", "--gap", "--tsp", "--run-name", "sync"], tmp_path, tiny_cache)

@@ -218,15 +218,18 @@ def test_concat_and_to_keep_group_order_and_every_header_field():
 
 
 def test_gap_trains_each_fragment_as_it_arrives_and_the_barrier_after_all():
-    for streaming, want in [(True, ["recv 0", "train 0", "recv 1", "train 1"]),
-                            (False, ["recv 0", "recv 1", "train 0", "train 1"])]:
+    for streaming, want in [(True, ["recv 0", "train 0", "recv 1", "train 1", "step"]),
+                            (False, ["recv 0", "recv 1", "train 0", "train 1", "step"])]:
         events = []
 
-        def arrivals():
+        def arrivals(step):
             for i in range(2):
                 events.append(f"recv {i}")
-                yield i
-        gap.consume(arrivals(), lambda f: events.append(f"train {f}"), streaming)
+                yield _numbered_fragment(i, 1)
+        side = gap.TrainerSide(fragments_of=arrivals, train=lambda f: events.append(f"train {f.first_group}"),
+                               optimizer_step=lambda step: events.append("step") or {}, version=lambda: 0,
+                               publish=gap.nothing, end_step=gap.nothing, bounds=[(0, 2)])
+        gap.trainer_loop(side, range(1), streaming)
         assert events == want
 
 
@@ -234,8 +237,13 @@ def test_dealt_fragments_give_each_announcement_to_exactly_one_trainer():
     queue = gap.FragmentQueue(dist.HashStore(), groups_per_step=5)
     for seq in range(5):
         queue.announce(0, seq, 1, producer=0)
-    got = {k: [a.first_group for a in gap.dealt_fragments(queue, 0, 5, k, 2, lambda a: a)] for k in range(2)}
-    assert got == {0: [0, 2, 4], 1: [1, 3]}
+    got = {k: list(gap.dealt_fragments(queue, 0, 5, k, 2, lambda a: ("received", a.first_group)))
+           for k in range(2)}
+    assert [x for x in got[0] if isinstance(x, tuple)] == [("received", g) for g in (0, 2, 4)]
+    assert [x for x in got[1] if isinstance(x, tuple)] == [("received", g) for g in (1, 3)]
+    # the other trainer's announcements come through as they are: which groups are in, in sequence order
+    assert [x.first_group for x in got[0] if isinstance(x, gap.Announcement)] == [1, 3]
+    assert [x.first_group if isinstance(x, gap.Announcement) else x[1] for x in got[1]] == [0, 1, 2, 3, 4]
 
 
 # --- TSP: the lockstep protocol; TAG: assisted generation ------------------------------------------------
@@ -340,3 +348,52 @@ def test_loopback_data_plane_warning():
     def unresolvable(name):
         raise OSError("Name or service not known")
     assert "does not resolve" in comm.loopback_data_plane(two_hosts, resolve=unresolvable, hostname=lambda: "node1")
+
+
+# --- several updates per batch: fixed minibatch boundaries whatever the arrival order -----------------------
+def test_minibatch_bounds_are_contiguous_whole_groups():
+    assert gap.minibatch_bounds(4, 2) == [(0, 2), (2, 4)]
+    assert gap.minibatch_bounds(3, 2) == [(0, 1), (1, 3)]  # sizes within one group: the demo's B = 3
+    assert gap.minibatch_bounds(5, 1) == [(0, 5)]
+    for bad in (0, 6):
+        with pytest.raises(ValueError, match="--updates-per-batch"):
+            gap.minibatch_bounds(5, bad)
+    part = _numbered_fragment(0, 4)
+    assert gap.minibatch_pairs(gap.minibatch_bounds(3, 2), 2, 5, gap.groups_of(part, 1, 3)) == 2 * 2 * 5
+
+
+def test_minibatches_hold_later_parts_until_the_update_and_split_a_straddling_fragment():
+    events = []
+
+    def train(part):
+        events.append(f"train {part.first_group}-{part.first_group + part.num_groups}")
+        assert part.rewards.tolist() == list(range(2 * part.first_group, 2 * (part.first_group + part.num_groups)))
+
+    arrivals = [_numbered_fragment(3, 1),  # minibatch 1 first: held
+                gap.Announcement(producer=0, first_group=0, num_groups=1, destination=1),  # another trainer's
+                _numbered_fragment(1, 2)]  # straddles: groups 1 (minibatch 0) and 2 (minibatch 1)
+    gap.train_in_minibatches(arrivals, [(0, 2), (2, 4)], train, lambda j: events.append(f"update {j}"))
+    assert events == ["train 1-2", "update 0", "train 3-4", "train 2-3"]
+    with pytest.raises(AssertionError, match="missing"):  # a step must not end with a minibatch untrained
+        gap.train_in_minibatches([_numbered_fragment(0, 1)], [(0, 1), (1, 2)], train, gap.nothing)
+    with pytest.raises(AssertionError, match="after its update"):
+        gap.train_in_minibatches([_numbered_fragment(0, 1), _numbered_fragment(0, 1)], [(0, 1), (1, 2)], train,
+                                 gap.nothing)
+
+
+def test_updates_inside_a_step_score_later_pairs_against_the_recorded_log_probs():
+    """The first minibatch of a fresh step is on-policy (ratio 1); after an update the pairs are scored against
+    the rollout's log-probs, so the ratio moves and the clip can act; the version moves once per RL step."""
+    trainer = _trainer(version=0, optimizer="sgd", lr=1.0)
+    first, later = _fragment(0), _fragment(0)
+    trainer.accumulate(first, *_packs(first), total_pairs=4)
+    assert trainer.metrics.sums["pairs_fresh"] > 0 and trainer.metrics.sums["ratio_mean_fresh"] == \
+        trainer.metrics.sums["pairs_fresh"]  # ratio exactly 1
+    trainer.update()
+    assert trainer.version == 0 and trainer.updates_in_step == 1
+    trainer.accumulate(later, *_packs(later), total_pairs=4)
+    assert trainer.metrics.sums["pairs_later"] == trainer.metrics.sums["pairs_fresh"]
+    metrics = trainer.step(["c"])
+    assert metrics["updates"] == 2 and trainer.version == 1 and trainer.updates_in_step == 0
+    assert metrics["ratio_mean_later"] != 1.0  # scored against the recorded log-probs after the update
+    assert metrics["update_kl"] > 0  # the weights moved on the pairs just trained
