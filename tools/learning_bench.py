@@ -36,6 +36,19 @@ def finished(run_dir: str, steps: int) -> bool:
         return sum(1 for line in f if line.strip()) >= steps
 
 
+def print_final_eval(specs: list[str]) -> None:
+    """Per mode, each seed's last eval_reward (runs with -- --eval-every K > 0 evaluate at their last step)."""
+    finals: dict[str, list[str]] = {}
+    for spec in specs:
+        mode, run_dir = spec.split("=", 1)
+        rows = [r for r in compare_runs.read_rows(run_dir) if "eval_reward" in r]
+        finals.setdefault(mode, []).append(f"{rows[-1]['eval_reward']:.3f}" if rows else "-")
+    if any(v != "-" for values in finals.values() for v in values):
+        print("| mode | final eval_reward per seed |\n|---|---|")
+        for mode, values in finals.items():
+            print(f"| {mode} | {' / '.join(values)} |")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--modes", default=",".join(MODE_FLAGS),
@@ -70,6 +83,7 @@ def main(argv=None) -> int:
             shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished run starts over
             subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
                            stdout=subprocess.DEVNULL)
+    print_final_eval(specs)
     walls = [compare_runs.wall_clock(compare_runs.read_rows(s.split("=", 1)[1]))[-1] for s in specs]
     return compare_runs.main(specs + ["--out", os.path.join(args.out, "reward_curves.png"),
                                       "--window", str(args.window), "--target-reward", args.target,
