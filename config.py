@@ -81,6 +81,10 @@ class Config:
                                     "overhead, better GPU use), more activation memory; unset = 4 with --pretrained, "
                                     "20 for the tiny pipelines (on a CPU per-call overhead dominates; 20 divides the "
                                     "default fragment's 40 pairs, so no padding pairs)")
+    tsp_span: bool = field(True, "TSP packs span fragments: a trainer's pairs of consecutive fragments fill the "
+                                 "same packs, padded once per update, not once per fragment (fewer wasted "
+                                 "passes when K * pack does not divide a fragment's pairs); --no-tsp-span packs "
+                                 "each fragment alone (the reference)")
     tag: Optional[bool] = field(None, "TAG: an idle trainer generates fragments itself when the predictor says "
                                 "the step ends sooner")
     use_tcss: Optional[bool] = field(None, "TCSS: rollout may generate the next batch with weights one version "

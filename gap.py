@@ -369,9 +369,14 @@ class TrainerSide:
     before_publish: Callable[[int], object] = nothing  # TAG: claim a share of the next batch
     update: Callable[[int], object] = nothing  # an update inside the step (minibatch j < M - 1 done)
     bounds: list[tuple[int, int]] = dataclasses.field(default_factory=lambda: [(0, 2**62)])
+    flush: Callable[[], object] = nothing  # before every update: train what is still open (TSP's packs)
 
     def train_step(self, step: int, items: Iterable[Fragment | Announcement]) -> dict:
-        train_in_minibatches(items, self.bounds, self.train, lambda j: self.update(step))
+        def update(j: int) -> None:
+            self.flush()
+            self.update(step)
+        train_in_minibatches(items, self.bounds, self.train, update)
+        self.flush()
         return self.optimizer_step(step)
 
 

@@ -8,7 +8,7 @@
 Started as one process it spawns --nproc ranks (infra/launch.py watches them); under torchrun each
 process is a rank. `run_rank` is one rank, top to bottom: the job (infra/runtime.py), the groups
 (comm.py), the policy, then its loop with each mechanism plugged in on one line: GAP
-(gap.rollout_loop, gap.trainer_loop), TSP (tsp.trainer_packs, tsp.lockstep_fragments in wiring.py),
+(gap.rollout_loop, gap.trainer_loop), TSP (tsp.PackStream / tsp.trainer_packs, tsp.lockstep_fragments: wiring.py),
 TAG (tag.Assistant, TSP's strategy) and TCSS (tcss.RolloutWeights, tcss.Publisher). transport.py
 carries their data; wiring.py wraps it in tracing spans. config.py lists every option.
 """
@@ -31,7 +31,6 @@ import rollout
 import tag
 import tcss
 import transport
-import tsp
 import wiring
 from infra import bookkeeping, cli, emulate, rundir, runtime
 from infra.cli import prepare  # noqa: F401  (main.prepare: parse, resolve and validate)
@@ -39,7 +38,7 @@ from infra.launch import launch
 from infra.preemption import EXIT_PREEMPTED, Preempted
 from infra.prompts import PromptSource
 from infra.tracing import Tracer
-from trainer import TrainConfig, Trainer, shard_for_fsdp, train_fragment
+from trainer import TrainConfig, Trainer, shard_for_fsdp
 
 
 @dataclasses.dataclass
@@ -164,19 +163,14 @@ def trainer_rank(r: Rank):
                                on_published=assistant.published if assistant else None)  # TCSS
     t_train = rollout.num_train_timesteps(r.sampling)
     bounds = gap.minibatch_bounds(cfg.prompts_per_step, cfg.updates_per_batch)  # M updates a step
-    pairs_of = functools.partial(tsp.trainer_packs, rank=groups.trainer_index, pack=cfg.tsp_pack,
-                                 world=groups.num_trainers, spread=cfg.tsp)  # TSP: my share, packed
-    train = functools.partial(
-        train_fragment, trainer, pairs_of=pairs_of, count=leader or not cfg.tsp,
-        total_pairs=functools.partial(gap.minibatch_pairs, bounds, cfg.group_size, t_train),
-        tcss_on=cfg.use_tcss, reward_names=r.reward_fn.names, tracer=r.tracer, pace=r.pace,
-        on_trained=assistant.trained if assistant else None)
+    train, flush = wiring.fragment_training(cfg, groups, trainer, bounds, t_train, r.reward_fn.names,
+                                            r.tracer, r.pace, assistant.trained if assistant else None)  # TSP
     fragments = wiring.TrainerFragments(cfg, groups, r.queue, r.tracer, r.job.progress, r.generate,
                                         trainer.current_version, assistant)  # dealt, or TSP's
     side = gap.TrainerSide(fragments_of=fragments, train=train, version=trainer.current_version,
                            optimizer_step=books.optimizer_step, publish=publisher.publish,
-                           end_step=books.end_step, update=books.update,
-                           bounds=bounds,
+                           end_step=books.end_step, update=books.update, bounds=bounds,
+                           flush=flush,
                            before_publish=assistant.before_publish if assistant else gap.nothing)
     books.forgetting(r.queue.forget_old if leader and r.queue else gap.nothing,
                      assistant.forget if assistant else gap.nothing)

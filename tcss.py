@@ -48,12 +48,13 @@ def check_staleness(trainer_version: int, fragment_version: int, tcss_on: bool) 
     return staleness
 
 
-def behaviour_log_prob(current: torch.Tensor, recorded: torch.Tensor, stale: bool) -> torch.Tensor:
+def behaviour_log_prob(current: torch.Tensor, recorded: torch.Tensor, stale: torch.Tensor | bool) -> torch.Tensor:
     """The stale-pair loss rule: the PPO ratio's denominator. A stale pair (generated one version ago) is
     trained against the behaviour log-prob its rollout recorded, so the ratio corrects for the older policy
     and the clip bounds the step; an on-policy pair against its own detached log-prob (ratio exactly 1: the
     same gradient as Flow-GRPO's on-policy update, without trusting the rollout's numerics)."""
-    return recorded.to(current.device) if stale else current.detach()
+    stale = torch.as_tensor(stale, device=current.device)  # one flag, or one per pair [p]
+    return torch.where(stale, recorded.to(current.device), current.detach())
 
 
 class Mailbox:

@@ -27,7 +27,7 @@ import models
 import tag
 import tcss
 from rollout import step_fn
-from tsp import gather_pairs
+from tsp import PackStream, gather_pairs, gather_spanning
 
 
 @dataclasses.dataclass
@@ -166,13 +166,14 @@ class Trainer:
         self.bad_steps_in_a_row = state.get("bad_steps_in_a_row", 0)  # --max-bad-steps counts across a resume
 
     # --- one pack of pairs -------------------------------------------------------------------
-    def pair_loss(self, batch, weights: torch.Tensor, stale: bool):
-        """Loss of packed pairs (per-sample timesteps in one forward), weighted; returns (loss, stats, logp)."""
+    def pair_loss(self, batch, weights: torch.Tensor, recorded: torch.Tensor | bool):
+        """Loss of packed pairs (per-sample timesteps in one forward), weighted; returns (loss, stats, logp).
+        `recorded` [p]: which pairs' ratio is against the rollout's log-prob (tcss.behaviour_log_prob)."""
         policy = self.policy
         v = policy.velocity(batch["latents"], batch["sigma"], batch["cond"])  # [p, ...] float32
         _, logp, mean, std = self.step_fn(v, batch["latents"], batch["sigma"], batch["sigma_next"],
                                           self.cfg.noise_level, prev_sample=batch["next_latents"])
-        old = tcss.behaviour_log_prob(logp, batch["old_log_prob"], stale)  # TCSS's stale-pair rule
+        old = tcss.behaviour_log_prob(logp, batch["old_log_prob"], recorded)  # TCSS's stale-pair rule
         adv = batch["advantages"].to(logp.device)
         loss, stats = grpo.policy_loss(logp, old, adv, self.cfg.clip_range, weights)
         if self.cfg.beta > 0:
@@ -185,37 +186,61 @@ class Trainer:
             stats["kl"] = (kl.detach() * (weights > 0)).sum() / (weights > 0).sum().clamp(min=1)
         return loss, stats, logp.detach()
 
-    def accumulate(self, fragment, packs, masks, total_pairs: int) -> None:
-        """Forward+backward over this rank's packs of a fragment; gradients add into .grad. A pair is scored
-        against its recorded log-prob when stale (TCSS) or when this step already took an update ("later":
-        minibatch j > 0, Flow-GRPO's off-policy inner updates): then the ratio moves and the clip acts."""
+    def kind_of(self, fragment) -> str:
+        """fresh, later or stale. A pair is scored against its recorded log-prob when stale (TCSS) or when
+        this step already took an update ("later": minibatch j > 0, Flow-GRPO's off-policy inner updates):
+        then the ratio moves and the clip acts; a fresh pair against its own detached log-prob."""
         stale = tcss.check_staleness(self.version, fragment.policy_version, tcss_on=True) == 1
-        kind = "stale" if stale else ("later" if self.updates_in_step else "fresh")
+        return "stale" if stale else ("later" if self.updates_in_step else "fresh")
+
+    def accumulate(self, fragment, packs, masks, total_pairs: int) -> None:
+        """Forward+backward over this rank's packs of one fragment; gradients add into .grad."""
+        kind = self.kind_of(fragment)
         for pack, mask in zip(packs, masks):
-            batch = gather_pairs(fragment, pack)
-            mask_t = torch.tensor(mask, dtype=torch.float32, device=self.policy.device)  # [p]
-            weights = gap.pair_weights(mask_t, total_pairs)  # M/(N T_train) per real pair, 0 for padding
-            loss, stats, logp = self.pair_loss(batch, weights, kind != "fresh")
-            loss.backward()
-            self.probe = (batch, logp, mask_t)
-            self._bump()
-            self.nonfinite_loss |= not math.isfinite(float(loss.detach()))
-            real = float(mask_t.sum())
-            if real == 0:
+            self.train_pack(gather_pairs(fragment, pack), mask, [kind] * len(pack), [total_pairs] * len(pack))
+
+    def accumulate_spanning(self, packs, total_pairs: Callable) -> None:
+        """The same over packs whose pairs come from several fragments (tsp.PackStream's (items, mask))."""
+        for items, mask in packs:
+            kinds = {id(f): self.kind_of(f) for f, _ in items}
+            denominators = {id(f): total_pairs(f) for f, _ in items}
+            self.train_pack(gather_spanning(items), mask, [kinds[id(f)] for f, _ in items],
+                            [denominators[id(f)] for f, _ in items])
+
+    def train_pack(self, batch, mask: list[float], kinds: list[str], total_pairs: list[int]) -> None:
+        """One forward+backward of packed pairs; each pair weighs 1/(N_j T_train), padding 0."""
+        dev = self.policy.device
+        mask_t = torch.tensor(mask, dtype=torch.float32, device=dev)  # [p]
+        weights = gap.pair_weights(mask_t, torch.tensor(total_pairs, dtype=torch.float32, device=dev))  # [p]
+        recorded = torch.tensor([k != "fresh" for k in kinds], device=dev)  # [p]
+        loss, stats, logp = self.pair_loss(batch, weights, recorded)
+        loss.backward()
+        self.probe = (batch, logp, mask_t)
+        self._bump()
+        self.nonfinite_loss |= not math.isfinite(float(loss.detach()))
+        real = float(mask_t.sum())
+        if real == 0:
+            return
+        m = self.metrics
+        m.add("loss", loss.detach())
+        m.add("pairs", real)
+        for k in ("approx_kl", "clipfrac", "ratio_mean") + (("kl",) if "kl" in stats else ()):
+            m.add(k, stats[k] * real)
+        m.low("ratio_min", stats["ratio_min"]); m.high("ratio_max", stats["ratio_max"])  # noqa: E702
+        old = tcss.behaviour_log_prob(logp, batch["old_log_prob"], recorded)
+        for kind in sorted(set(kinds)):
+            of_kind = weights * torch.tensor([k == kind for k in kinds], device=dev)  # [p]
+            count = float((of_kind > 0).sum())
+            if count == 0:
                 continue
-            m = self.metrics
-            m.add("loss", loss.detach())
-            m.add("pairs", real)
-            m.add(f"pairs_{kind}", real)
-            for k in ("approx_kl", "clipfrac", "ratio_mean") + (("kl",) if "kl" in stats else ()):
-                m.add(k, stats[k] * real)
-            m.add(f"ratio_mean_{kind}", stats["ratio_mean"] * real)
-            m.add(f"clipfrac_{kind}", stats["clipfrac"] * real)  # stale pairs the clip discards (TCSS's cost)
-            m.low("ratio_min", stats["ratio_min"]); m.high("ratio_max", stats["ratio_max"])  # noqa: E702
-            m.low(f"ratio_min_{kind}", stats["ratio_min"])
-            m.high(f"ratio_max_{kind}", stats["ratio_max"])
-            logprob_gap = ((logp - batch["old_log_prob"].to(logp.device)).abs() * mask_t).sum()
-            m.add("logprob_gap", logprob_gap)  # |trainer log-prob - rollout log-prob|: numerics, or staleness
+            _, part = grpo.policy_loss(logp, old, batch["advantages"].to(dev), self.cfg.clip_range, of_kind)
+            m.add(f"pairs_{kind}", count)
+            m.add(f"ratio_mean_{kind}", part["ratio_mean"] * count)
+            m.add(f"clipfrac_{kind}", part["clipfrac"] * count)  # pairs the clip discards (TCSS's cost)
+            m.low(f"ratio_min_{kind}", part["ratio_min"])
+            m.high(f"ratio_max_{kind}", part["ratio_max"])
+        logprob_gap = ((logp - batch["old_log_prob"].to(dev)).abs() * mask_t).sum()
+        m.add("logprob_gap", logprob_gap)  # |trainer log-prob - rollout log-prob|: numerics, or staleness
 
     def count_fragment(self, fragment, reward_names: list[str]) -> None:
         """Reward and staleness metrics of a fragment (call on exactly one trainer per fragment)."""
@@ -366,24 +391,48 @@ def _like(whole: torch.Tensor, param) -> torch.Tensor:
 def train_fragment(trainer: Trainer, fragment: gap.Fragment, *, pairs_of: Callable,
                    total_pairs: int | Callable[[gap.Fragment], int], count: bool,
                    tcss_on: bool, reward_names: list[str], tracer=None, on_trained: Callable | None = None,
-                   pace: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
+                   pace: Callable[[], ContextManager] = contextlib.nullcontext,
+                   stream: PackStream | None = None) -> None:
     """Train this rank's share of a fragment: pairs_of(m, T_train) -> (packs, masks) is TSP's share or the
-    per-timestep loop. `count` on exactly one trainer per fragment (its rewards enter the metrics once).
-    `tracer` (a "train" span) and `pace` (infra/emulate.py's benchmark emulation) hook in from outside."""
+    per-timestep loop; with `stream` (TSP packs spanning fragments) the packs every trainer can fill now,
+    the rest at flush_packs. `count` on exactly one trainer per fragment (its rewards enter the metrics
+    once). `tracer` (a "train" span) and `pace` (infra/emulate.py's benchmark emulation) hook in from
+    outside."""
     tcss.check_staleness(trainer.version, fragment.policy_version, tcss_on)  # the TCSS bound
     if count:
         trainer.count_fragment(fragment, reward_names)
-    packs, masks = pairs_of(*fragment.latents.shape[:2])
+    moved = fragment.to(trainer.policy.device)
     start = time.perf_counter()
-    pairs = sum(int(sum(mask)) for mask in masks)  # real pairs (TSP padding excluded)
-    slots = sum(len(mask) for mask in masks)  # what the passes cost: padding included
-    span = tracer.span("train", step=fragment.step, first_group=fragment.first_group, pairs=pairs, slots=slots) \
-        if tracer is not None else contextlib.nullcontext()
-    pairs_of_minibatch = total_pairs(fragment) if callable(total_pairs) else total_pairs
-    with span, pace():
-        trainer.accumulate(fragment.to(trainer.policy.device), packs, masks, pairs_of_minibatch)
+    if stream is not None:
+        _train_packs(trainer, stream.add(moved), total_pairs, tracer, pace, fragment)
+    else:
+        packs, masks = pairs_of(*fragment.latents.shape[:2])
+        denominator = total_pairs(fragment) if callable(total_pairs) else total_pairs
+        with _train_span(tracer, fragment, masks), pace():
+            trainer.accumulate(moved, packs, masks, denominator)
     if on_trained is not None:
         on_trained(fragment, time.perf_counter() - start)
+
+
+def flush_packs(trainer: Trainer, stream: PackStream, total_pairs: Callable[[gap.Fragment], int], tracer=None,
+                pace: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
+    """Before an update: train the stream's open packs, padded (TSP packs spanning fragments)."""
+    _train_packs(trainer, stream.flush(), total_pairs, tracer, pace, None)
+
+
+def _train_packs(trainer, packs, total_pairs, tracer, pace, fragment) -> None:
+    if packs:
+        items = packs[0][0]  # the first pack's (fragment, pair)s
+        with _train_span(tracer, fragment or items[0][0], [mask for _, mask in packs]), pace():
+            trainer.accumulate_spanning(packs, total_pairs)
+
+
+def _train_span(tracer, fragment, masks):
+    """A "train" span: real pairs (TSP padding excluded) and slots (what the passes cost)."""
+    if tracer is None:
+        return contextlib.nullcontext()
+    return tracer.span("train", step=fragment.step, first_group=fragment.first_group,
+                       pairs=sum(int(sum(mask)) for mask in masks), slots=sum(len(mask) for mask in masks))
 
 
 def shard_for_fsdp(policy, compute_group, keep_reference: bool) -> None:

@@ -69,6 +69,63 @@ def trainer_packs(num_samples: int, num_train_timesteps: int, rank: int, world: 
     return packs, [[1.0] * len(p) for p in packs]
 
 
+class PackStream:
+    """TSP packs that span fragments: this trainer's pairs of consecutive fragments fill the same packs, so
+    padding happens once per update (flush), not once per fragment. Pair k of the stream (fragments in
+    arrival order, each timestep-major) goes to trainer k mod K, so at any moment every trainer holds
+    within one pair of the others; a pack is emitted when every trainer can fill one (all trainers see the
+    same fragments under TSP's lockstep, so all emit the same number of passes, which FSDP requires)."""
+
+    def __init__(self, rank: int, world: int, pack: int):
+        if pack < 1:
+            raise ValueError(f"--tsp-pack must be >= 1, got {pack}")
+        self.rank, self.world, self.pack = rank, world, pack
+        self.dealt, self.packed = 0, 0  # pairs dealt to all trainers; of mine, pairs already packed
+        self.waiting: list[tuple[object, Pair]] = []  # mine, not yet packed: (fragment, pair)
+        self.last: tuple[object, Pair] | None = None  # a real pair to repeat as weight-0 padding
+
+    def add(self, fragment) -> list[tuple[list[tuple[object, Pair]], list[float]]]:
+        """Deal `fragment`'s pairs; returns the packs every trainer can now fill: (items, mask) each."""
+        m, t_train = fragment.latents.shape[:2]
+        pairs = [(i, j) for j in range(t_train) for i in range(m)]  # timestep-major, as tsp_packs
+        first = (self.rank - self.dealt) % self.world  # my first pair's index in this fragment
+        self.waiting += [(fragment, p) for p in pairs[first::self.world]]
+        self.dealt += len(pairs)
+        self.last = (fragment, pairs[0])
+        ready = (self.dealt // self.world - self.packed) // self.pack  # the fewest any trainer can fill
+        return self._take(ready * self.pack, ready * self.pack)
+
+    def flush(self) -> list[tuple[list[tuple[object, Pair]], list[float]]]:
+        """The rest, padded: as many packs as the trainer holding the most pairs needs. Then a new stream."""
+        most = -(-self.dealt // self.world) - self.packed  # ceil(dealt / K): trainer 0 holds the most
+        slots = -(-most // self.pack) * self.pack
+        packs = self._take(len(self.waiting), slots)
+        self.dealt = self.packed = 0
+        self.last = None
+        return packs
+
+    def _take(self, real: int, slots: int) -> list[tuple[list[tuple[object, Pair]], list[float]]]:
+        items, self.waiting = self.waiting[:real], self.waiting[real:]
+        self.packed += real
+        mask = [1.0] * len(items) + [0.0] * (slots - len(items))
+        items = items + [self.last] * (slots - len(items))  # weight 0: same shapes, no contribution
+        return [(items[s:s + self.pack], mask[s:s + self.pack]) for s in range(0, slots, self.pack)]
+
+
+def gather_spanning(items: list[tuple[object, Pair]]) -> dict[str, torch.Tensor]:
+    """gather_pairs over pairs of several fragments: one batch, the pairs in `items` order."""
+    runs: list[tuple[object, list[Pair]]] = []  # consecutive pairs of one fragment, gathered together
+    for fragment, pair in items:
+        if runs and runs[-1][0] is fragment:
+            runs[-1][1].append(pair)
+        else:
+            runs.append((fragment, [pair]))
+    parts = [gather_pairs(fragment, pairs) for fragment, pairs in runs]
+    batch = {k: torch.cat([p[k] for p in parts]) for k in parts[0] if k != "cond"}
+    batch["cond"] = {k: torch.cat([p["cond"][k] for p in parts]) for k in parts[0]["cond"]}
+    return batch
+
+
 def gather_pairs(fragment, pairs: list[Pair]) -> dict[str, torch.Tensor]:
     """Stack the tensors of `pairs` of a fragment into one batch (per-sample timesteps)."""
     samples = torch.tensor([i for i, _ in pairs], dtype=torch.long)

@@ -19,6 +19,7 @@ import tag
 import transport
 import tsp
 from infra.progress import Progress
+from trainer import Trainer, flush_packs, train_fragment
 
 
 class Send:
@@ -129,3 +130,21 @@ def publish(groups: comm.Groups, dtype, tensors, count: int, version: int) -> No
     """The leader's weights to the rollout ranks, in the rollout's dtype (bf16 even with fp32 masters here)."""
     transport.publish_weights(tensors, count, version, groups.leader, groups.publish,
                               dtypes=None if dtype is None else [dtype] * count)
+
+
+def fragment_training(cfg, groups: comm.Groups, trainer: Trainer, bounds: list[tuple[int, int]], t_train: int,
+                      reward_names: list[str], tracer, pace, on_trained) -> tuple[Callable, Callable]:
+    """gap.TrainerSide's `train` and `flush`: TSP's share of each fragment (tsp.trainer_packs; with
+    --tsp-span its packs span fragments, tsp.PackStream, padded at flush), else the whole fragment per
+    timestep; each pair weighs 1/(N_j T_train), its minibatch's mean (gap.minibatch_pairs)."""
+    pairs_of = functools.partial(tsp.trainer_packs, rank=groups.trainer_index, pack=cfg.tsp_pack,
+                                 world=groups.num_trainers, spread=cfg.tsp)
+    stream = tsp.PackStream(groups.trainer_index, groups.num_trainers, cfg.tsp_pack) \
+        if cfg.tsp and cfg.tsp_span else None
+    denominators = functools.partial(gap.minibatch_pairs, bounds, cfg.group_size, t_train)
+    train = functools.partial(train_fragment, trainer, pairs_of=pairs_of, count=groups.is_leader or not cfg.tsp,
+                              total_pairs=denominators, tcss_on=cfg.use_tcss, reward_names=reward_names,
+                              tracer=tracer, pace=pace, on_trained=on_trained, stream=stream)
+    if stream is None:
+        return train, gap.nothing
+    return train, functools.partial(flush_packs, trainer, stream, denominators, tracer, pace)

@@ -37,7 +37,10 @@ CASES = {  # name -> flags; --fragment-groups 1, 2 and 4 cut the same batch of 4
     "gap": [*DISAGG, "--nproc", "2", "--fragment-groups", "4"],
     "gap_tsp_k1": [*DISAGG, "--tsp", "--tsp-pack", "4", "--nproc", "2", "--fragment-groups", "2"],
     "gap_tsp_k2": [*DISAGG, "--tsp", "--tsp-pack", "3", "--nproc", "3", "--fragment-groups", "1"],
+    "gap_tsp_k2_per_fragment": [*DISAGG, "--tsp", "--tsp-pack", "3", "--nproc", "3", "--fragment-groups", "1",
+                                "--no-tsp-span"],  # the reference packing: each fragment padded alone
     "gap_tsp_fsdp_k2": [*DISAGG, "--tsp", "--tsp-pack", "3", "--fsdp", "--nproc", "3", "--fragment-groups", "2"],
+    "gap_tsp_fsdp_k3": [*DISAGG, "--tsp", "--tsp-pack", "3", "--fsdp", "--nproc", "4", "--fragment-groups", "1"],
     "dealt_k2": [*DISAGG, "--nproc", "3", "--fragment-groups", "1"],
 }
 MAX_NORM = 0.005  # --max-grad-norm well below the step's gradient norm (about 0.03 here): clipping engages

@@ -22,6 +22,8 @@ atomic `add`), and plain callables stand in for the ranks. Each test names the b
 
 Run: python -m pytest -q tests/test_protocol.py
 """
+import types
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -397,3 +399,39 @@ def test_updates_inside_a_step_score_later_pairs_against_the_recorded_log_probs(
     assert metrics["updates"] == 2 and trainer.version == 1 and trainer.updates_in_step == 0
     assert metrics["ratio_mean_later"] != 1.0  # scored against the recorded log-probs after the update
     assert metrics["update_kl"] > 0  # the weights moved on the pairs just trained
+
+
+# --- TSP packs that span fragments ---------------------------------------------------------------------------
+def _pairs_fragment(m, t_train, tag_value):
+    return types.SimpleNamespace(latents=torch.zeros(m, t_train, 1), tag=tag_value)
+
+
+def test_spanning_packs_deal_every_pair_once_with_equal_passes_and_pad_once_per_flush():
+    """K = 3 trainers, pack 4, fragments of 2 x 3 = 6 pairs: per fragment that is 2 pairs per trainer padded to
+    a whole pack (6 of 12 slots real); spanning, the packs fill across fragments and only the flush pads."""
+    fragments = [_pairs_fragment(2, 3, i) for i in range(5)]
+    streams = [tsp.PackStream(rank, 3, 4) for rank in range(3)]
+    passes = [[] for _ in streams]
+    for fragment in fragments:
+        for rank, stream in enumerate(streams):
+            passes[rank].append(stream.add(fragment))
+    for rank, stream in enumerate(streams):
+        passes[rank].append(stream.flush())
+    # every trainer runs the same number of passes at every point (FSDP requires it)
+    assert [[len(p) for p in mine] for mine in passes] == [[len(p) for p in passes[0]]] * 3
+    real = [(item[0].tag, item[1]) for mine in passes for emitted in mine for items, mask in emitted
+            for item, weight in zip(items, mask) if weight]
+    every = [(i, (s, j)) for i in range(5) for j in range(3) for s in range(2)]
+    assert sorted(real) == sorted(every) and len(real) == len(every)  # each pair once, on one trainer
+    slots = sum(len(mask) for mine in passes for emitted in mine for _, mask in emitted)
+    per_fragment = 5 * 3 * tsp.num_passes(2, 3, 3, 4) * 4
+    assert slots == 36 < per_fragment == 60  # 30 real pairs: 6 padding slots, not 30
+    assert all(not stream.waiting and stream.dealt == 0 for stream in streams)  # a flush starts a new stream
+
+
+def test_spanning_packs_gather_pairs_of_several_fragments_in_order():
+    a, b = _fragment(0, m=2), _fragment(0, m=2)
+    b.latents = a.latents + 100
+    batch = tsp.gather_spanning([(a, (1, 0)), (b, (0, 1)), (b, (1, 1))])
+    assert torch.equal(batch["latents"], torch.stack([a.latents[1, 0], b.latents[0, 1], b.latents[1, 1]]))
+    assert batch["cond"]["e"].shape[0] == 3
