@@ -304,6 +304,9 @@ class TrainerSide:
     publish: Callable[[int], None]
     end_step: Callable[[int, dict], None]
     before_publish: Callable[[int], object] = nothing  # TAG: claim a share of the next batch
+    # Batch-level advantages (batch_rewards.py): when set, a step's fragments are first all
+    # collected (every group of the step is then produced, TAG's included), restated, then trained.
+    restate: Callable[[int, list[Fragment]], list[Fragment]] | None = None
 
 
 def trainer_loop(side: TrainerSide, steps: range, streaming: bool) -> None:
@@ -312,7 +315,10 @@ def trainer_loop(side: TrainerSide, steps: range, streaming: bool) -> None:
     ranks are not kept waiting)."""
     side.publish(side.version())  # version 0, or the resumed one: rollout ranks take their first weights
     for step in steps:
-        consume(side.fragments_of(step), side.train, streaming)
+        fragments = side.fragments_of(step)
+        if side.restate is not None:  # the whole batch's rewards first: no streaming this step
+            fragments = side.restate(step, list(fragments))
+        consume(fragments, side.train, streaming)
         metrics = side.optimizer_step(step)
         side.before_publish(step)
         side.publish(side.version())
@@ -332,6 +338,8 @@ def colocated_loop(side: TrainerSide, steps: range, my_claims: Callable[[int], l
     of the batch, train it, then one optimizer step with gradients summed over every rank."""
     for step in steps:
         fragments = [generate(step, first, count, side.version()) for first, count in my_claims(step)]
+        if side.restate is not None:
+            fragments = side.restate(step, fragments)
         for fragment in fragments:
             side.train(fragment)
         side.end_step(step, side.optimizer_step(step))
