@@ -2,14 +2,15 @@
 
 - the trainer loop and the colocated loop train exactly the advantages of Flow-GRPO's own code (the
   PerPromptStatTracker and train_sd3.py block re-typed in tests/test_advantages.py, from
-  yifan123/flow_grpo flow_grpo/stat_tracking.py and scripts/train_sd3.py) on a fixed reward table with
-  several prompts, prompts repeated over groups, global_std on and off;
-- the store exchange: fragments posted by 3 producers in any order and restated on a trainer that holds
-  only some of them equal the one-process computation, bit for bit; forget leaves no key behind;
+  yifan123/flow_grpo flow_grpo/stat_tracking.py and scripts/train_sd3.py) on a fixed reward table
+  with several prompts, prompts repeated over groups, global_std on and off;
+- the store exchange: fragments posted by 3 producers in any order and restated on a trainer that
+  holds only some of them equal the one-process computation, bit for bit; forget leaves no key
+  behind;
 - the guard for collapsed groups drops or floors them as config.py says;
 - validation names the bad value;
-- a one-step run of main.py with batch statistics, dealt over 2 trainers (the store path), makes the same
-  update as the one-process run (the local path) on a batch whose prompts repeat.
+- a one-step run of main.py with batch statistics, dealt over 2 trainers (the store path), makes the
+  same update as the one-process run (the local path) on a batch whose prompts repeat.
 
 Run: python -m pytest -q tests/test_batch_rewards.py
 """
@@ -41,8 +42,10 @@ CUT = [(0, 2), (2, 1), (3, 3)]  # the batch's fragments: (first group, groups)
 def _table(seed: int = 0) -> torch.Tensor:
     """The batch's rewards [6 G] in group order."""
     g = torch.Generator().manual_seed(seed)
-    rows = {"red": lambda: torch.rand(G, generator=g), "blue": lambda: torch.rand(G, generator=g) - 1,
-            "grey": lambda: torch.full((G,), 0.25), "cat": lambda: 0.6 + 0.007 * torch.randn(G, generator=g)}
+    rows = {"red": lambda: torch.rand(G, generator=g),
+            "blue": lambda: torch.rand(G, generator=g) - 1,
+            "grey": lambda: torch.full((G,), 0.25),
+            "cat": lambda: 0.6 + 0.007 * torch.randn(G, generator=g)}
     return torch.cat([rows[p]() for p in PROMPTS])
 
 
@@ -51,9 +54,10 @@ def _fragment(rewards: torch.Tensor, first: int, count: int, step: int = 0) -> g
     r = rewards[first * G:(first + count) * G]
     m, z = r.numel(), torch.zeros
     ids = torch.tensor([IDS[p] for p in PROMPTS[first:first + count] for _ in range(G)])
-    return gap.Fragment(step=step, first_group=first, policy_version=0, producer=first, group_size=G,
-                        prompt_ids=ids, cond={}, latents=z(m, 1, 2), next_latents=z(m, 1, 2),
-                        timestep_index=z(m, 1, dtype=torch.long), sigmas=z(m, 1), sigmas_next=z(m, 1),
+    return gap.Fragment(step=step, first_group=first, policy_version=0, producer=first,
+                        group_size=G, prompt_ids=ids, cond={}, latents=z(m, 1, 2),
+                        next_latents=z(m, 1, 2), timestep_index=z(m, 1, dtype=torch.long),
+                        sigmas=z(m, 1), sigmas_next=z(m, 1),
                         log_probs=z(m, 1), rewards=r, reward_parts=r[:, None],
                         advantages=grpo.group_advantages(r, G))
 
@@ -82,9 +86,9 @@ def _side(restate, fragments, trained) -> gap.TrainerSide:
 @pytest.mark.parametrize("global_std", [False, True])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_trainer_loop_trains_flow_grpos_advantages(global_std, seed):
-    """Catches: restate not called (per-group advantages trained), called per fragment (a prompt's two
-    groups in different fragments would not pool), a fragment's slice of the batch off by a group, the
-    fragments' arrival order leaking into the statistics, global_std ignored."""
+    """Catches: restate not called (per-group advantages trained), called per fragment (a prompt's
+    two groups in different fragments would not pool), a fragment's slice of the batch off by a
+    group, the fragments' arrival order leaking into the statistics, global_std ignored."""
     rewards = _table(seed)
     cfg = _cfg(per_prompt_stat_tracking=True, global_std=global_std)
     theirs, keep = flow_grpo_train_sd3_advantages([p for p in PROMPTS for _ in range(G)], rewards,
@@ -98,7 +102,7 @@ def test_the_trainer_loop_trains_flow_grpos_advantages(global_std, seed):
     assert not keep.all()  # grey (all equal) is one Flow-GRPO drops: here its advantages are 0 too
     assert float(_trained(trained)[~keep].abs().max()) == 0
     per_group = torch.cat([_fragment(rewards, f, c).advantages for f, c in CUT])
-    assert float((per_group - theirs[:, 0]).abs().max()) > 0.1  # pooling (or global std) changed them
+    assert float((per_group - theirs[:, 0]).abs().max()) > 0.1  # pooling / global std changed them
     trained = {}  # without the hook the loop trains what the fragments carry: per group
     gap.trainer_loop(_side(None, fragments, trained), range(1), True)
     torch.testing.assert_close(_trained(trained), per_group)
@@ -118,15 +122,15 @@ def test_batch_wide_statistics_and_the_colocated_loop():
 
 class _NoStore:
     def __getattr__(self, name):
-        raise AssertionError(f"the store was used ({name}) although the trainer holds the whole batch")
+        raise AssertionError(f"the store was used ({name}), the trainer holds the whole batch")
 
 
 def test_the_store_exchange_equals_the_one_process_computation():
-    """Three producers post their fragments from threads in a shuffled order, after a delay, while a
-    trainer that holds only fragment 1 waits; it restates exactly what one process holding the whole
-    batch computes. A trainer holding the whole batch never touches the store. Catches: the wait not
-    waiting (a KeyError or missing groups), rewards rounded on the way (JSON of float32 values must be
-    exact), the groups put together in arrival order instead of group order, keys left behind."""
+    """Three producers post their fragments from threads in a shuffled order, after a delay, while
+    a trainer that holds only fragment 1 waits; it restates exactly what one process holding the
+    whole batch computes. A trainer holding the whole batch never touches the store. Catches: the
+    wait not waiting (a KeyError or missing groups), rewards rounded on the way (JSON of float32
+    values must be exact), the groups put together in arrival order, keys left behind."""
     rewards = _table(3)
     cfg = _cfg(per_prompt_stat_tracking=True, global_std=True, collapsed_std=0.01)
     fragments = [_fragment(rewards, first, count, step=5) for first, count in CUT]
@@ -147,7 +151,7 @@ def test_the_store_exchange_equals_the_one_process_computation():
         t.join()
     assert torch.equal(mine[0].advantages, whole[1].advantages)
     assert mine[0].first_group == 2 and torch.equal(mine[0].rewards, fragments[1].rewards)
-    other = _rewards_of(cfg, store).restate(5, [fragments[2], fragments[0]])  # any subset, any order
+    other = _rewards_of(cfg, store).restate(5, [fragments[2], fragments[0]])  # any subset/order
     assert torch.equal(other[0].advantages, whole[2].advantages)
     assert torch.equal(other[1].advantages, whole[0].advantages)
     assert not torch.equal(whole[1].advantages, fragments[1].advantages)  # restating changed them
@@ -165,10 +169,11 @@ def test_one_rank_without_the_whole_batch_is_an_error_not_a_hang():
 
 @pytest.mark.parametrize("per_prompt", [None, True])
 def test_the_guard_drops_or_floors_collapsed_groups(per_prompt):
-    """--collapsed-std 0.05: drop zeroes grey's and cat's advantages and leaves the others unchanged;
-    floor divides cat's by 0.05 + 1e-4 instead of its std 0.007. The default (0, drop) zeroes only the
-    all-equal group. Per group (None, the rollout's path) and per prompt alike. Catches: the guard
-    applied to every group, the threshold compared the wrong way, floor and drop swapped."""
+    """--collapsed-std 0.05: drop zeroes grey's and cat's advantages and leaves the others
+    unchanged; floor divides cat's by 0.05 + 1e-4 instead of its std 0.007. The default (0, drop)
+    zeroes only the all-equal group. Per group (None, the rollout's path) and per prompt alike.
+    Catches: the guard applied to every group, the threshold compared the wrong way, floor and drop
+    swapped."""
     rewards = _table(4)
     ids = torch.tensor([IDS[p] for p in PROMPTS for _ in range(G)])
     prompt = [p for p in PROMPTS for _ in range(G)]
@@ -204,8 +209,8 @@ def test_validation_names_the_bad_value():
         check(_cfg(collapsed_groups="floor"))
     check(_cfg(global_std=True, per_prompt_stat_tracking=True, collapsed_std=0.01,
                collapsed_groups="floor"))
-    parsed = config.parse_args(["--per-prompt-stat-tracking", "--global-std", "--collapsed-std", "0.02",
-                                "--collapsed-groups", "floor"])
+    parsed = config.parse_args(["--per-prompt-stat-tracking", "--global-std", "--collapsed-std",
+                                "0.02", "--collapsed-groups", "floor"])
     assert (parsed.per_prompt_stat_tracking, parsed.global_std, parsed.collapsed_std,
             parsed.collapsed_groups) == (True, True, 0.02, "floor")
     assert config.parse_args(["--no-per-prompt-stat-tracking"]).per_prompt_stat_tracking is False
@@ -213,8 +218,9 @@ def test_validation_names_the_bad_value():
 
 
 ONE_STEP = ["--steps", "1", "--prompts-per-step", "4", "--group-size", "2", "--num-steps", "3",
-            "--eval-every", "0", "--save-every", "1", "--seed", "3", "--timeout-s", "60", "--optimizer",
-            "sgd", "--lr", "1", "--no-trace", "--noise-level", "0.7", "--fragment-groups", "1",
+            "--eval-every", "0", "--save-every", "1", "--seed", "3", "--timeout-s", "60",
+            "--optimizer", "sgd", "--lr", "1", "--no-trace", "--noise-level", "0.7",
+            "--fragment-groups", "1",
             "--per-prompt-stat-tracking", "--global-std"]
 
 
