@@ -229,7 +229,8 @@ class Trainer:
         groups = r.reshape(-1, fragment.group_size)
         m.add("groups", groups.shape[0])
         # the guard's own rule (grpo.advantages, --collapsed-std; float64, so equal rewards give 0)
-        m.add("collapsed_groups", (groups.std(dim=1, unbiased=False) <= self.cfg.collapsed_std).sum())
+        collapsed = groups.std(dim=1, unbiased=False) <= self.cfg.collapsed_std
+        m.add("collapsed_groups", collapsed.sum())
 
     # --- the optimizer step --------------------------------------------------------------------
     def step(self, reward_names: list[str]) -> dict[str, float]:

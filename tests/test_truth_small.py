@@ -78,7 +78,8 @@ def test_summary_formulas_on_hand_computed_sums():
     want = {"reward_mean": mean, "reward_std": std, "reward_color_mean": part_mean, "reward_color_std": part_std,
             "approx_kl": 0.028 / 10, "clipfrac": 0.2, "ratio_mean": 10.04 / 10, "logprob_gap": 0.003,
             "ratio_mean_fresh": 1.0, "ratio_mean_stale": 1.01, "ratio_min": 0.98, "ratio_max": 1.05,
-            "ratio_min_stale": 0.98, "ratio_max_fresh": 1.0, "collapsed_group_frac": 0.25, "stale_frac": 0.5,
+            "ratio_min_stale": 0.98, "ratio_max_fresh": 1.0, "collapsed_group_frac": 0.25,
+            "stale_frac": 0.5,
             "staleness_mean": 0.5, "stale_fragments": 1, "tag_fragments": 1, "trajectories": 8, "pairs": 10,
             "loss": -0.25, "clipfrac_fresh": 0.0, "clipfrac_stale": 0.5}
     for key, value in want.items():
@@ -102,7 +103,8 @@ def test_fragment_counts_by_hand():
     mean = sum(flat) / 8
     std = (sum((x - mean) ** 2 for x in flat) / 8) ** 0.5
     want = {"reward_mean": mean, "reward_std": std, "reward_double_mean": 2 * mean, "reward_double_std": 2 * std,
-            "collapsed_group_frac": 0.25, "stale_frac": 0.5, "staleness_mean": 0.5, "stale_fragments": 1,
+            "collapsed_group_frac": 0.25, "stale_frac": 0.5, "staleness_mean": 0.5,
+            "stale_fragments": 1,
             "tag_fragments": 1, "trajectories": 8}
     for key, value in want.items():
         assert out[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
