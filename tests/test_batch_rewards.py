@@ -27,6 +27,8 @@ import batch_rewards
 import config
 import gap
 import grpo
+import models
+import rewards
 from conftest import checkpoint_weights, read_metrics, run_main
 from test_advantages import flow_grpo_train_sd3_advantages
 
@@ -231,8 +233,6 @@ def test_a_dealt_run_with_batch_statistics_makes_the_one_process_update(tiny_cac
     the gradient) equals the one-process run's, which holds the whole batch, and differs from the
     per-group update. Catches: the flags not reaching the trainers, a trainer that trains its
     per-group advantages, or restates from the wrong groups' rewards, or hangs."""
-    import rewards
-
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(rewards.color_prompts("train")[:2]) + "\n")
     common = [*ONE_STEP, "--prompt-file", str(prompts)]
@@ -258,6 +258,5 @@ def test_a_dealt_run_with_batch_statistics_makes_the_one_process_update(tiny_cac
 
 
 def _initial_weights() -> dict[str, torch.Tensor]:
-    import models
     policy = models.load("flux", models.tiny_pipeline_path("flux"), "cpu", torch.float32)
     return {k: v.detach().clone() for k, v in policy.transformer.named_parameters()}
