@@ -153,6 +153,29 @@ class Config:
     max_grad_norm: float = field(1.0, "gradient norm clip")
     beta: float = field(0.0, "KL weight to the reference policy; >0 costs one more forward per pair")
     adv_clip: float = field(5.0, "advantages are clipped to +-adv_clip")
+    per_prompt_stat_tracking: Optional[bool] = field(
+        None, "Flow-GRPO's advantage statistics over the whole batch: on = per prompt (its "
+        "PerPromptStatTracker: every group of one prompt in the batch pools one mean and std), "
+        "off (--no-per-prompt-stat-tracking) = one mean and std over the batch; unset = per group "
+        "(a fragment is self-contained and GAP trains it on arrival; the same as on when a batch's "
+        "prompts are unique, i.e. --prompts-per-step <= the number of prompts). Set, a trainer "
+        "trains a step's fragments only once the whole batch's rewards are in (batch_rewards.py): "
+        "the GAP overlap of that step's training is lost, TCSS's generate-ahead still overlaps")
+    global_std: bool = field(
+        False, "Flow-GRPO's sample.global_std (needs --per-prompt-stat-tracking): advantages "
+        "divide by the std of all the batch's rewards instead of their prompt's; steadier on easy "
+        "or hard prompts, but a prompt's advantages then depend on the other prompts' spread")
+    collapsed_std: float = field(
+        0.0, "a group (a prompt, with batch statistics) whose rewards' population std is <= this "
+        "has collapsed: normalising it turns noise into unit-size advantages; --collapsed-groups "
+        "says what is done with it, the collapsed_group_frac metric counts it. 0 = only groups "
+        "whose rewards are all equal (Flow-GRPO's rule); in reward units, so set it for the "
+        "reward's scale (e.g. 0.01 for rewards in [0, 1])")
+    collapsed_groups: str = field(
+        "drop", "drop (their advantages are 0, so the policy gradient ignores them, as Flow-GRPO "
+        "drops samples whose advantages are all zero; they keep their 1/(N T_train) weight, so "
+        "the step shrinks instead of renormalising) or floor (divide by max(std, "
+        "--collapsed-std): their small real signal is kept at its own scale)")
     weight_decay: float = field(0.0, "AdamW weight decay")
     optimizer: str = field("adamw", "adamw, or sgd (plain gradient descent: the update is exactly -lr x gradient, so "
                            "two runs' weights differ as their gradients do; the equivalence tests use it)")
@@ -344,6 +367,7 @@ def validate(c: Config, world_size: int) -> None:
     family.check_frames(c.frames)
     _check_numbers(c)
     _check_choices(c)
+    _check_advantages(c)
     _check_model(c, family)
     _check_logging(c)
     _check_placement(c, world_size)
@@ -396,6 +420,22 @@ def _check_choices(c: Config) -> None:
         import torch
         if not torch.cuda.is_available():
             _bad("--device cuda was asked for but torch sees no CUDA device")
+
+
+def _check_advantages(c: Config) -> None:
+    if c.global_std and c.per_prompt_stat_tracking is not True:
+        state = ("unset (per-group statistics)" if c.per_prompt_stat_tracking is None
+                 else "off (the std is the batch's already)")
+        _bad(f"--global-std needs --per-prompt-stat-tracking (Flow-GRPO's tracker option); "
+             f"it is {state}")
+    if not (math.isfinite(c.collapsed_std) and c.collapsed_std >= 0):
+        _bad(f"--collapsed-std must be a number >= 0 (0 = only all-equal groups), "
+             f"got {c.collapsed_std}")
+    if c.collapsed_groups not in ("drop", "floor"):
+        _bad(f"--collapsed-groups {c.collapsed_groups!r} is not one of drop, floor")
+    if c.collapsed_groups == "floor" and c.collapsed_std == 0:
+        _bad("--collapsed-groups floor with --collapsed-std 0 floors nothing: give the floor, "
+             "e.g. --collapsed-std 0.01")
 
 
 def _check_model(c: Config, family) -> None:

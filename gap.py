@@ -368,14 +368,27 @@ class TrainerSide:
     end_step: Callable[[int, dict], None]
     before_publish: Callable[[int], object] = nothing  # TAG: claim a share of the next batch
     update: Callable[[int], object] = nothing  # an update inside the step (minibatch j < M - 1 done)
-    bounds: list[tuple[int, int]] = dataclasses.field(default_factory=lambda: [(0, 2**62)])
+    bounds: list[tuple[int, int]] | None = None  # minibatch_bounds; None: one update, no boundaries
     flush: Callable[[], object] = nothing  # before every update: train what is still open (TSP's packs)
+    # Batch-level advantages (batch_rewards.py): when set, a step's fragments are first all
+    # collected (every group of the step is then produced, TAG's included), restated, then trained.
+    restate: Callable[[int, list[Fragment]], list[Fragment]] | None = None
 
     def train_step(self, step: int, items: Iterable[Fragment | Announcement]) -> dict:
+        """One RL step's training: M minibatches, an update after each (open packs flushed first)."""
+        if self.restate is not None:  # the whole batch's rewards first: no streaming this step
+            items = list(items)
+            mine = self.restate(step, [f for f in items if isinstance(f, Fragment)])
+            items = [*mine, *(a for a in items if not isinstance(a, Fragment))]
+
         def update(j: int) -> None:
             self.flush()
             self.update(step)
-        train_in_minibatches(items, self.bounds, self.train, update)
+        if self.bounds is None:
+            for fragment in (f for f in items if isinstance(f, Fragment)):
+                self.train(fragment)
+        else:
+            train_in_minibatches(items, self.bounds, self.train, update)
         self.flush()
         return self.optimizer_step(step)
 

@@ -93,8 +93,10 @@ def dance_sde_step_with_logprob(velocity, latents, sigma, sigma_next, eta, noise
     return _sample_or_score(mean, std, noise, prev_sample)
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4, clip: float = 5.0) -> torch.Tensor:
-    """A_i = (r_i - mean_group) / (std_group + eps), clipped to +-clip (docs/DESIGN.md section 3).
+def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4, clip: float = 5.0,
+                     std_floor: float = 0.0) -> torch.Tensor:
+    """A_i = (r_i - mean_group) / (max(std_group, std_floor) + eps), clipped to +-clip
+    (docs/DESIGN.md section 3).
 
     rewards: [N] with the members of a group contiguous (N = groups * group_size). Per-group std is a
     documented departure from Flow-GRPO's default global std: it keeps a fragment self-contained.
@@ -102,7 +104,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4, 
     if rewards.ndim != 1 or rewards.numel() % group_size:
         raise ValueError(f"rewards of shape {tuple(rewards.shape)} is not a whole number of groups of {group_size}")
     r = rewards.to(torch.float32).reshape(-1, group_size)  # [groups, G]
-    adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, unbiased=False, keepdim=True) + eps)
+    std = r.std(dim=1, unbiased=False, keepdim=True).clamp(min=std_floor)  # floor 0: the std itself
+    adv = (r - r.mean(dim=1, keepdim=True)) / (std + eps)
     return adv.clamp(-clip, clip).reshape(-1)  # [N]
 
 
@@ -145,9 +148,10 @@ def kl_loss(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> to
 
 
 # --- Flow-GRPO's advantage options (flow_grpo/stat_tracking.py PerPromptStatTracker, scripts/train_sd3.py) -----------
-# Pure functions over one batch's rewards; not wired into the trainer here. They need the whole batch's rewards (a
-# prompt's groups may sit in several fragments, and global_std pools every sample), so under GAP a fragment's
-# advantages are final only once the batch's last reward is in.
+# Pure functions over one batch's rewards. They need the whole batch's rewards (a prompt's groups
+# may sit in several fragments, and global_std pools every sample), so under GAP a fragment's
+# advantages are final only once the batch's last reward is in: batch_rewards.BatchRewards gathers
+# them across ranks and restates the fragments' advantages.
 def _prompt_index(prompt_keys, n: int) -> torch.Tensor:
     """Prompt keys (a [N] integer tensor of prompt ids, or N hashable keys such as prompt strings) -> [N] long index
     of each sample's prompt, 0 .. P-1 in order of first appearance."""
@@ -214,3 +218,34 @@ def collapsed_prompts(rewards: torch.Tensor, prompt_keys, min_std: float = 0.0) 
     r = rewards.detach().to("cpu", torch.float64).reshape(-1)
     _, std = _prompt_stats(r, _prompt_index(prompt_keys, r.numel()))
     return std <= min_std
+
+
+COLLAPSED_ACTIONS = ("drop", "floor")
+
+
+def advantages(rewards: torch.Tensor, prompt_keys, group_size: int, per_prompt: bool | None = None,
+               global_std: bool = False, collapsed_std: float = 0.0, collapsed: str = "drop",
+               clip: float = 5.0) -> torch.Tensor:
+    """The run's advantages -> float32 [N] (config.py: per_prompt_stat_tracking, global_std,
+    collapsed_std, collapsed_groups, adv_clip); rewards [N] are whole groups, members contiguous.
+
+    per_prompt None: per group (group_advantages; a fragment is self-contained). True / False:
+    Flow-GRPO's over the whole batch (batch_advantages: per prompt, or one mean and std).
+    The guard for collapsed groups (a group, or with per_prompt a prompt, whose rewards' population
+    std is <= collapsed_std): "drop" sets their advantages to 0, so the policy gradient ignores them
+    (at collapsed_std 0 this is Flow-GRPO's train_sd3.py, which drops the samples whose advantages
+    are all zero: prompts whose rewards are all equal); "floor" divides by max(std, collapsed_std)
+    instead, keeping their advantages at the scale of their spread."""
+    if collapsed not in COLLAPSED_ACTIONS:
+        raise ValueError(f"collapsed {collapsed!r} is not one of {', '.join(COLLAPSED_ACTIONS)}")
+    floor = collapsed_std if collapsed == "floor" else 0.0
+    if per_prompt is None:
+        adv = group_advantages(rewards, group_size, clip=clip, std_floor=floor)
+        keys = torch.arange(rewards.numel()) // group_size  # the statistics' unit: the group
+    else:
+        adv = batch_advantages(rewards, prompt_keys, global_std=global_std, per_prompt=per_prompt,
+                               std_floor=floor, clip=clip)
+        keys = prompt_keys if per_prompt else torch.zeros(rewards.numel(), dtype=torch.long)
+    if collapsed == "drop":
+        adv = torch.where(collapsed_prompts(rewards, keys, min_std=collapsed_std), 0.0, adv)
+    return adv

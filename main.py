@@ -22,6 +22,7 @@ from typing import ContextManager
 
 import torch
 
+import batch_rewards
 import comm
 import config as config_lib
 import gap
@@ -56,6 +57,7 @@ class Rank:
     queue: gap.FragmentQueue | None  # GAP's claims and announcements (None on one rank)
     steps: range
     pace: Callable[[], ContextManager]  # --rank-speed (infra/emulate.py, benchmarks); else no-op
+    batch: batch_rewards.BatchRewards | None  # batch-level advantages: rewards posted, restated
 
     def generate(self, step: int, first: int, count: int, version: int, producer: int):
         """Groups [first, first + count) of step `step`: every producer's one generation path."""
@@ -68,6 +70,8 @@ class Rank:
             fragment = rollout.generate_fragment(self.policy, spec, self.source.train,
                                                  self.sampling, self.score, version, producer)
         self.job.progress.bump(step)
+        if self.batch is not None:
+            self.batch.post(fragment)  # before it is announced, sent or shared
         return fragment
 
     def generate_own(self, step: int, first: int, count: int, version: int) -> gap.Fragment:
@@ -100,13 +104,11 @@ def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple, agent_s
     reward_fn.prompt_metadata = source.train_metadata  # generation passes prompt ids
     runtime.freeze_heap()
     first = rundir.checkpoint_step(rundir.check_resume(cfg.resume, cfg)) if cfg.resume else 0
-    sampling = rollout.SamplingConfig(num_steps=cfg.num_steps, noise_level=cfg.noise_level,
-                                      timestep_fraction=cfg.timestep_fraction, algo=cfg.algo,
-                                      adv_clip=cfg.adv_clip)
     queue = gap.FragmentQueue(job.prefixed("queue"), cfg.prompts_per_step) if job.store else None
     pace = functools.partial(emulate.paced, emulate.speed_of(cfg.rank_speed, rank))
-    r = Rank(cfg, groups, job, tracer, policy, reward_fn, source, sampling, queue,
-             range(first, cfg.steps), pace)
+    r = Rank(cfg, groups, job, tracer, policy, reward_fn, source, rollout.SamplingConfig.of(cfg),
+             queue, range(first, cfg.steps), pace,
+             batch_rewards.for_run(cfg, job.prefixed("adv"), tracer))
     try:
         run_dir = rollout_rank(r) if groups.role == "rollout" else trainer_rank(r)
     except Preempted:  # the trainers agreed to stop; the leader's checkpoint is on disk
@@ -169,11 +171,12 @@ def trainer_rank(r: Rank):
                                         trainer.current_version, assistant)  # dealt, or TSP's
     side = gap.TrainerSide(fragments_of=fragments, train=train, version=trainer.current_version,
                            optimizer_step=books.optimizer_step, publish=publisher.publish,
-                           end_step=books.end_step, update=books.update, bounds=bounds,
-                           flush=flush,
+                           end_step=books.end_step, update=books.update, bounds=bounds, flush=flush,
+                           restate=r.batch.restate if r.batch else None,  # batch-level advantages
                            before_publish=assistant.before_publish if assistant else gap.nothing)
     books.forgetting(r.queue.forget_old if leader and r.queue else gap.nothing,
-                     assistant.forget if assistant else gap.nothing)
+                     assistant.forget if assistant else gap.nothing,
+                     r.batch.forget if leader and r.batch else gap.nothing)
     if groups.role == "colocated":
         claims = functools.partial(gap.static_claims, cfg.prompts_per_step, cfg.fragment_groups)
         gap.colocated_loop(side, r.steps, functools.partial(claims, groups.rank, groups.world),

@@ -1,5 +1,6 @@
 """Rollout: what a generator is. One fragment (whole groups) -> SDE sampling, behaviour log-probs, decode,
-reward, advantages; and deterministic evaluation.
+reward, advantages (per group; batch_rewards.py restates them for batch statistics); and
+deterministic evaluation.
 
 `generate_fragment` is the one generation path, used by rollout ranks, by colocated ranks and by an
 idle trainer under TAG, so every producer makes the same trajectories from the same FragmentSpec.
@@ -23,6 +24,16 @@ class SamplingConfig:
     timestep_fraction: float = 0.99  # trained share of the T steps: see num_train_timesteps
     algo: str = "flow_grpo"  # or "dance_grpo"
     adv_clip: float = 5.0
+    collapsed_std: float = 0.0  # the guard for collapsed groups (grpo.advantages)
+    collapsed_groups: str = "drop"
+
+    @staticmethod
+    def of(cfg) -> "SamplingConfig":
+        """From the run's config.Config."""
+        return SamplingConfig(num_steps=cfg.num_steps, noise_level=cfg.noise_level,
+                              timestep_fraction=cfg.timestep_fraction, algo=cfg.algo,
+                              adv_clip=cfg.adv_clip, collapsed_std=cfg.collapsed_std,
+                              collapsed_groups=cfg.collapsed_groups)
 
 
 def step_fn(algo: str):
@@ -101,7 +112,10 @@ def generate_fragment(policy, spec: FragmentSpec, prompts: list[str], cfg: Sampl
     scores = reward_fn(images, prompt_text, prompt_ids=spec.prompt_ids)  # name -> [m]; metadata looked up by prompt id
     total = scores["total"].to(torch.float32)
     parts = torch.stack([scores[k].to(torch.float32) for k in scores if k != "total"], dim=1)  # [m, n_rewards]
-    advantages = grpo.group_advantages(total, spec.group_size, clip=cfg.adv_clip)  # [m]
+    # [m] per group, so the fragment is self-contained (batch_rewards restates batch statistics)
+    advantages = grpo.advantages(total, spec.prompt_ids, spec.group_size,
+                                 collapsed_std=cfg.collapsed_std, collapsed=cfg.collapsed_groups,
+                                 clip=cfg.adv_clip)
     return Fragment(
         step=spec.step, first_group=spec.first_group, policy_version=version, producer=producer,
         group_size=spec.group_size,

@@ -42,13 +42,15 @@ class TrainConfig:
     algo: str = "flow_grpo"
     max_bad_steps: int = 3
     optimizer: str = "adamw"  # or "sgd": plain gradient descent, the update is exactly -lr x gradient
+    collapsed_std: float = 0.0  # a group whose rewards' std is <= this has collapsed (the metric)
 
     @staticmethod
     def of(cfg) -> "TrainConfig":
         """From the run's config.Config (Adam's eps stays at its default)."""
         return TrainConfig(lr=cfg.lr, weight_decay=cfg.weight_decay, clip_range=cfg.clip_range,
                            max_grad_norm=cfg.max_grad_norm, beta=cfg.beta, noise_level=cfg.noise_level,
-                           algo=cfg.algo, max_bad_steps=cfg.max_bad_steps, optimizer=cfg.optimizer)
+                           algo=cfg.algo, max_bad_steps=cfg.max_bad_steps, optimizer=cfg.optimizer,
+                           collapsed_std=cfg.collapsed_std)
 
 
 class MetricSums:
@@ -260,7 +262,9 @@ class Trainer:
             m.add(f"reward_{name}_sum", part.sum()); m.add(f"reward_{name}_sq", (part**2).sum())  # noqa: E702
         groups = r.reshape(-1, fragment.group_size)
         m.add("groups", groups.shape[0])
-        m.add("zero_std_groups", (groups.std(dim=1, unbiased=False) < 1e-6).sum())
+        # the guard's own rule (grpo.advantages, --collapsed-std; float64, so equal rewards give 0)
+        collapsed = groups.std(dim=1, unbiased=False) <= self.cfg.collapsed_std
+        m.add("collapsed_groups", collapsed.sum())
 
     # --- the optimizer updates: M per RL step, the last one ends the step -----------------------------
     def update(self) -> float:
@@ -365,7 +369,7 @@ def summarize(m: MetricSums, reward_names: list[str]) -> dict[str, float]:
         mu = s.get(f"reward_{name}_sum", 0.0) / traj
         out[f"reward_{name}_mean"] = mu
         out[f"reward_{name}_std"] = max(s.get(f"reward_{name}_sq", 0.0) / traj - mu**2, 0.0) ** 0.5
-    out["zero_std_group_frac"] = s.get("zero_std_groups", 0.0) / max(s.get("groups", 0.0), 1.0)
+    out["collapsed_group_frac"] = s.get("collapsed_groups", 0.0) / max(s.get("groups", 0.0), 1.0)
     out["stale_frac"] = s.get("stale_trajectories", 0.0) / traj
     out["staleness_mean"] = s.get("staleness_sum", 0.0) / traj
     out["stale_fragments"] = s.get("stale_fragments", 0.0)

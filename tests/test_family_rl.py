@@ -61,7 +61,7 @@ def test_one_rl_step_trains_the_lora(name, trained):
     (row,) = read_metrics(run_dir)
     assert row["skipped_step"] == 0 and row["pairs"] == 2 * 2 * 2 and row["trajectories"] == 4
     assert all(torch.isfinite(torch.tensor(row[k])) for k in ("loss", "grad_norm", "reward_mean"))
-    assert row["grad_norm"] > 0 and row["zero_std_group_frac"] < 1  # there was a learning signal
+    assert row["grad_norm"] > 0 and row["collapsed_group_frac"] < 1  # there was a learning signal
     # The trainer's velocity (true CFG included) reproduces the rollout's log-probs: on-policy ratio 1.
     assert row["logprob_gap"] < 1e-5 and row["ratio_min"] == row["ratio_max"] == 1.0
 

@@ -58,7 +58,7 @@ def test_summary_formulas_on_hand_computed_sums():
         m.add("reward_sum", sum(r)); m.add("reward_sq", sum(x * x for x in r))  # noqa: E702
         m.add("reward_color_sum", sum(p)); m.add("reward_color_sq", sum(x * x for x in p))  # noqa: E702
         m.add("groups", 2)
-    m.add("zero_std_groups", 1)  # [0.5, 0.5]
+    m.add("collapsed_groups", 1)  # [0.5, 0.5]
     # pair statistics as the trainer adds them: per-pack means times real pairs
     m.add("pairs", 10); m.add("pairs_fresh", 6); m.add("pairs_stale", 4)  # noqa: E702
     m.add("approx_kl", 0.002 * 6 + 0.004 * 4); m.add("clipfrac", 0.5 * 4); m.add("ratio_mean", 1.0 * 6 + 1.01 * 4)  # noqa: E702
@@ -78,7 +78,8 @@ def test_summary_formulas_on_hand_computed_sums():
     want = {"reward_mean": mean, "reward_std": std, "reward_color_mean": part_mean, "reward_color_std": part_std,
             "approx_kl": 0.028 / 10, "clipfrac": 0.2, "ratio_mean": 10.04 / 10, "logprob_gap": 0.003,
             "ratio_mean_fresh": 1.0, "ratio_mean_stale": 1.01, "ratio_min": 0.98, "ratio_max": 1.05,
-            "ratio_min_stale": 0.98, "ratio_max_fresh": 1.0, "zero_std_group_frac": 0.25, "stale_frac": 0.5,
+            "ratio_min_stale": 0.98, "ratio_max_fresh": 1.0, "collapsed_group_frac": 0.25,
+            "stale_frac": 0.5,
             "staleness_mean": 0.5, "stale_fragments": 1, "tag_fragments": 1, "trajectories": 8, "pairs": 10,
             "loss": -0.25, "clipfrac_fresh": 0.0, "clipfrac_stale": 0.5}
     for key, value in want.items():
@@ -102,10 +103,16 @@ def test_fragment_counts_by_hand():
     mean = sum(flat) / 8
     std = (sum((x - mean) ** 2 for x in flat) / 8) ** 0.5
     want = {"reward_mean": mean, "reward_std": std, "reward_double_mean": 2 * mean, "reward_double_std": 2 * std,
-            "zero_std_group_frac": 0.25, "stale_frac": 0.5, "staleness_mean": 0.5, "stale_fragments": 1,
+            "collapsed_group_frac": 0.25, "stale_frac": 0.5, "staleness_mean": 0.5,
+            "stale_fragments": 1,
             "tag_fragments": 1, "trajectories": 8}
     for key, value in want.items():
         assert out[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+    # the guard's threshold is the metric's: with --collapsed-std 1e-3 the near-collapsed group
+    # [0.2, 0.2001] (std 5e-5) counts too, the [0.1, 0.3] ones (std 0.1) do not
+    guarded = Trainer(LinePolicy(), TrainConfig(noise_level=0.7, collapsed_std=1e-3))
+    guarded.count_fragment(fragment, ["double"])
+    assert summarize(guarded.metrics, ["double"])["collapsed_group_frac"] == 0.5
 
 
 def test_resume_never_sees_a_partial_checkpoint(tmp_path):

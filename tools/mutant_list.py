@@ -60,6 +60,10 @@ SD3_PIPELINE = SD3 + "test_velocity_reproduces_sd3_pipelines_own_sampling"
 ADV = "tests/test_advantages.py::"
 ADV_TRACKER = ADV + "test_per_prompt_advantages_equal_flow_grpos_stat_tracker"
 ADV_COLLAPSED = ADV + "test_collapsed_groups_are_flow_grpos_dropped_samples_and_the_floor_tames_near_collapse"
+BATCH = "tests/test_batch_rewards.py::"
+BATCH_LOOP = BATCH + "test_the_trainer_loop_trains_flow_grpos_advantages"
+BATCH_STORE = BATCH + "test_the_store_exchange_equals_the_one_process_computation"
+BATCH_GUARD = BATCH + "test_the_guard_drops_or_floors_collapsed_groups"
 
 
 def bad_input(flags: str) -> str:
@@ -271,9 +275,11 @@ MUTANTS = [
       'out["reward_std"] = max(s.get("reward_sq", 0.0) / traj - mean**2, 0.0) ** 0.5',
       'out["reward_std"] = max(s.get("reward_sq", 0.0) / traj - mean**2, 0.0)',
       "the reward_std metric is the variance", SMALL + "test_summary_formulas_on_hand_computed_sums"),
-    M("trainer-zero-std-groups", "trainer.py",
-      "(groups.std(dim=1, unbiased=False) < 1e-6).sum()", "(groups.std(dim=1, unbiased=False) > 1e-6).sum()",
-      "zero_std_group_frac counts the groups that do carry a signal", SMALL + "test_fragment_counts_by_hand"),
+    M("trainer-collapsed-groups", "trainer.py",
+      "groups.std(dim=1, unbiased=False) <= self.cfg.collapsed_std",
+      "groups.std(dim=1, unbiased=False) > self.cfg.collapsed_std",
+      "collapsed_group_frac counts the groups that do carry a signal",
+      SMALL + "test_fragment_counts_by_hand"),
     M("main-total-pairs", "gap.py",
       "return groups_per_step * group_size * num_train_timesteps",
       "return groups_per_step * num_train_timesteps",
@@ -424,6 +430,20 @@ MUTANTS = [
       "return std <= min_std", "return std > min_std",
       "the collapsed-prompt mask drops the prompts with a learning signal and keeps the collapsed ones",
       ADV_COLLAPSED),
+    M("batch-not-restated", "gap.py",
+      "fragments = side.restate(step, list(fragments))", "fragments = list(fragments)",
+      "batch statistics configured, but the trainer loop trains the per-group advantages",
+      BATCH_LOOP),
+    M("batch-slice-offset", "batch_rewards.py",
+      "first = f.first_group * self.group_size", "first = f.first_group",
+      "a fragment takes the batch advantages of the wrong samples", BATCH_LOOP, BATCH_STORE),
+    M("batch-rewards-rounded", "batch_rewards.py",
+      "json.dumps([prompt, rewards])", "json.dumps([prompt, [round(x, 5) for x in rewards]])",
+      "rewards posted to the store lose precision: ranks disagree on the statistics", BATCH_STORE),
+    M("guard-threshold-ignored", "grpo.py",
+      "collapsed_prompts(rewards, keys, min_std=collapsed_std)",
+      "collapsed_prompts(rewards, keys, min_std=0.0)",
+      "--collapsed-std drops only all-equal groups", BATCH_GUARD),
     M("grpo-batch-adv-unclipped", "grpo.py",
       "        adv = adv.clamp(-clip, clip)\n    return adv.to(torch.float32)", "        pass\n    return adv.to(torch.float32)",
       "batch advantages not clamped to +-adv_clip_max (5)", ADV + "test_outliers_are_clamped_at_five_as_flow_grpo_clamps"),
