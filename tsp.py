@@ -11,6 +11,11 @@ Invariant: the summed gradient equals the per-timestep loop's (allclose in float
 changes which pairs share a forward, never a pair's loss or weight. Padding pairs (when K * pack does
 not divide m * T_train) repeat a real pair with weight 0, so they cost compute but add nothing.
 
+Packs that span fragments (`PackStream`, `--tsp-span`, the default): a trainer's pairs of consecutive
+fragments of one step fill the same packs (pair k of the step's stream goes to trainer k mod K); a
+pack is trained as soon as every trainer can fill one and only the last pack before each update is
+padded, so padding is paid once per update, not once per fragment. Same invariant.
+
 Departures from the paper: pairs are dealt round-robin (rank r gets pairs r, r+K, ...) rather than
 by contiguous timestep ranges, which balances high- and low-noise steps across ranks.
 
@@ -216,6 +221,12 @@ def _demo() -> None:
         total += gradient(packs, masks)
     reference = gradient(*trainer_packs(m, t_train, 0, 1, pack, spread=False))
     print(f"summed TSP gradient == per-timestep loop's: {torch.allclose(total, reference)}")
+    streams = [PackStream(rank, trainers, pack) for rank in range(trainers)]
+    spanning = sum(len(mask) for s in streams for _ in range(3) for _, mask in s.add(fragment)) \
+        + sum(len(mask) for s in streams for _, mask in s.flush())
+    per_fragment = 3 * trainers * num_passes(m, t_train, trainers, pack) * pack
+    print(f"3 fragments: {spanning} pair slots with packs spanning fragments, {per_fragment} packed one by one "
+          f"({3 * m * t_train} real pairs)")
     commands = iter([(TRAIN, 0, 0), (PRODUCE, 1, 1), (TRAIN, 1, 0)])
     steps = lockstep_fragments(3, True, lambda seq, done: next(commands), share_command=lambda c: c,
                                receive=lambda seq: fragment, share_fragment=lambda f: f, produce=lambda a, b: fragment)

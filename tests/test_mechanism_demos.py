@@ -21,7 +21,7 @@ EXPECTED = {
                "minibatch 1: streamed gradient == full-batch gradient: True"],
     # TSP: packs per trainer, padding, the summed gradient equals the per-timestep loop's; the lockstep loop
     "tsp.py": ["trainer 0: 2 packs", "trainer 1: 2 packs", "summed TSP gradient == per-timestep loop's: True",
-               "-> 3 fragments, 3 groups"],
+               "-> 3 fragments, 3 groups", "3 fragments: 40 pair slots with packs spanning fragments, 48 packed one by one"],
     # TAG: the predictor's step ends, a claim, declining when training is the bottleneck
     "tag.py": ["claim 0: the step ends in 7.60 s", "the leader claims groups [1, 5) for the trainers",
                "it declines: claim 0"],
