@@ -85,7 +85,7 @@ class PackStream:
         if pack < 1:
             raise ValueError(f"--tsp-pack must be >= 1, got {pack}")
         self.rank, self.world, self.pack = rank, world, pack
-        self.dealt, self.packed = 0, 0  # pairs dealt to all trainers; of mine, pairs already packed
+        self.dealt, self.passes = 0, 0  # pairs dealt to all trainers; packs emitted (the same on all)
         self.waiting: list[tuple[object, Pair]] = []  # mine, not yet packed: (fragment, pair)
         self.last: tuple[object, Pair] | None = None  # a real pair to repeat as weight-0 padding
 
@@ -97,21 +97,20 @@ class PackStream:
         self.waiting += [(fragment, p) for p in pairs[first::self.world]]
         self.dealt += len(pairs)
         self.last = (fragment, pairs[0])
-        ready = (self.dealt // self.world - self.packed) // self.pack  # the fewest any trainer can fill
-        return self._take(ready * self.pack, ready * self.pack)
+        ready = spanning_passes(self.dealt, self.world, self.pack, last=False) - self.passes
+        return self._take(ready * self.pack, ready)
 
     def flush(self) -> list[tuple[list[tuple[object, Pair]], list[float]]]:
         """The rest, padded: as many packs as the trainer holding the most pairs needs. Then a new stream."""
-        most = -(-self.dealt // self.world) - self.packed  # ceil(dealt / K): trainer 0 holds the most
-        slots = -(-most // self.pack) * self.pack
-        packs = self._take(len(self.waiting), slots)
-        self.dealt = self.packed = 0
+        packs = self._take(len(self.waiting), spanning_passes(self.dealt, self.world, self.pack, True) - self.passes)
+        self.dealt = self.passes = 0
         self.last = None
         return packs
 
-    def _take(self, real: int, slots: int) -> list[tuple[list[tuple[object, Pair]], list[float]]]:
+    def _take(self, real: int, passes: int) -> list[tuple[list[tuple[object, Pair]], list[float]]]:
         items, self.waiting = self.waiting[:real], self.waiting[real:]
-        self.packed += real
+        self.passes += passes
+        slots = passes * self.pack
         mask = [1.0] * len(items) + [0.0] * (slots - len(items))
         items = items + [self.last] * (slots - len(items))  # weight 0: same shapes, no contribution
         return [(items[s:s + self.pack], mask[s:s + self.pack]) for s in range(0, slots, self.pack)]
@@ -146,6 +145,16 @@ def gather_pairs(fragment, pairs: list[Pair]) -> dict[str, torch.Tensor]:
         "advantages": fragment.advantages[samples],  # [p]
         "cond": {k: v[samples] for k, v in fragment.cond.items()},  # [p, ...]
     }
+
+
+def spanning_passes(pairs: int, trainers: int, pack: int, last: bool) -> int:
+    """Packs spanning fragments (PackStream): passes every trainer has run once `pairs` pairs of a
+    minibatch are in. Trainer r holds pairs r, r + K, ..., so the fullest common share is floor(pairs / K)
+    pairs: floor(. / pack) full packs, run as soon as they fill; `last` (the flush before an update):
+    ceil(ceil(pairs / K) / pack), the last one padded. The simulator (tools/sim_model.py) uses it too."""
+    if last:
+        return math.ceil(math.ceil(pairs / trainers) / pack)
+    return pairs // trainers // pack
 
 
 def num_passes(num_samples: int, num_train_timesteps: int, world: int, pack: int) -> int:

@@ -111,14 +111,7 @@ def train_tsp_s(costs: Costs, wl: Workload, samples: int, trainers: int, speed: 
     return tsp.num_passes(samples, wl.train_steps, trainers, wl.tsp_pack) * wl.tsp_pack * pair_s(costs, wl, speed)
 
 
-def spanning_passes(pairs: int, trainers: int, pack: int, last: bool) -> int:
-    """TSP packs that span fragments: passes every trainer has run once `pairs` pairs of the step are in.
-    The step's pairs are dealt round-robin (trainer r holds pairs r, r + K, ...), so the fullest common
-    share is floor(pairs / K) pairs: that many make floor(. / pack) full packs, run in lockstep as soon
-    as they fill; only the step's last pack is padded (`last`: ceil(ceil(pairs / K) / pack))."""
-    if last:
-        return math.ceil(math.ceil(pairs / trainers) / pack)
-    return pairs // trainers // pack
+spanning_passes = tsp.spanning_passes  # one cost model, two users: the runtime's PackStream and this
 
 
 def train_dealt_s(costs: Costs, wl: Workload, speed: float) -> float:
