@@ -144,12 +144,14 @@ class Config:
     clip_range: Optional[float] = field(None, "PPO clip range on the averaged log-prob ratio; unset = the published "
                                         "setting with --pretrained (presets.py: Flow-GRPO 1e-4), 1e-2 for the tiny "
                                         "pipelines")
-    updates_per_batch: int = field(1, "M: optimizer updates per RL step (Flow-GRPO: 2, gradient_accumulation_"
-                                   "steps = num_batches_per_epoch // 2). The batch's groups are cut into M "
+    updates_per_batch: Optional[int] = field(None, "M: optimizer updates per RL step; unset = 2, Flow-GRPO's "
+                                   "(gradient_accumulation_steps = num_batches_per_epoch // 2). The batch's "
+                                   "groups are cut into M "
                                    "minibatches; every update after the first scores its pairs against the "
                                    "rollout's log-probs, so the PPO clip acts (with M = 1 a fresh pair's ratio is "
                                    "1 and the clip never does). More = more learning per sample, smaller "
-                                   "minibatches; weights are still published once per step")
+                                   "minibatches; weights are still published once per step (1 with "
+                                   "--prompts-per-step 1)")
     max_grad_norm: float = field(1.0, "gradient norm clip")
     beta: float = field(0.0, "KL weight to the reference policy; >0 costs one more forward per pair")
     adv_clip: float = field(5.0, "advantages are clipped to +-adv_clip")
@@ -330,6 +332,8 @@ def resolve(cfg: Config, world: int | None = None) -> Config:
         c.lora_targets = lora.default_targets(c.init_lora) if c.lora else "flow_grpo"
     if c.tsp_pack is None:
         c.tsp_pack = 4 if c.pretrained is not None else 20
+    if c.updates_per_batch is None:  # Flow-GRPO: gradient_accumulation_steps = num_batches_per_epoch // 2
+        c.updates_per_batch = min(2, c.prompts_per_step)
     if c.eval_seeds is None:
         c.eval_seeds = 1 if c.pretrained is not None else 8
     if c.max_stale_fragments is None:
