@@ -148,7 +148,8 @@ def plot(rows: list[dict], path: str) -> None:
 def sim_setup(args, w: dict, rank_speed: dict | None = None):
     workload = simulate.Workload(groups=args.prompts_per_step, group_size=args.group_size,
                                  num_steps=args.num_steps, train_steps=w["train_steps"],
-                                 fragment_groups=args.fragment_groups, tsp_pack=args.tsp_pack)
+                                 fragment_groups=args.fragment_groups, tsp_pack=args.tsp_pack,
+                                 tsp_span=True)  # the runtime's --tsp-span default
     cluster = simulate.Cluster(args.nproc, args.rollout_ranks, args.device, args.device,
                                {args.device: 1.0}, dict(rank_speed or {}))
     return workload, cluster
