@@ -261,17 +261,17 @@ def test_lockstep_trains_each_announced_fragment_once_and_counts_groups():
 
 
 def _numbered_rows(first_group, lo, hi, group_size=3):
-    """Trajectories [lo, hi) of the groups from first_group as a fragment part: row = global index."""
+    """Trajectories [lo, hi) of the groups from first_group as a part: row = global index."""
     whole = _numbered_fragment(first_group, -(-hi // group_size), group_size)
     part = gap.Fragment.from_parts(whole.ints(), {k: v[lo:hi] for k, v in whole.tensors().items()})
-    part.group_size, part.advantages = group_size, part.advantages * float("nan")  # not computed yet
+    part.group_size, part.advantages = group_size, part.advantages * float("nan")  # not computed
     return part
 
 
 def test_assisted_generation_generates_each_claimed_trajectory_once_at_its_global_index():
-    """TAG by trajectories (G = 3): catches a share generated at its index within the claim instead of the
-    batch, a trajectory generated twice or never, parts joined out of order, and advantages taken before the
-    parts are joined (a part of a group has no advantages)."""
+    """TAG by trajectories (G = 3): catches a share generated at its index within the claim instead
+    of the batch, a trajectory generated twice or never, parts joined out of order, and advantages
+    taken before the parts are joined (a part of a group has no advantages)."""
     for trainers, num_groups in [(1, 3), (2, 3), (3, 5), (4, 1), (4, 2)]:
         generated, parts = [], {}
 
@@ -284,24 +284,26 @@ def test_assisted_generation_generates_each_claimed_trajectory_once_at_its_globa
                 parts[owner] = part
 
         for me in range(trainers):  # every trainer generates its share (the exchange comes next)
-            tag.assisted_generation(5, num_groups, 3, trainers, me, generate, keep, join=lambda shares: None,
-                                    lockstep=False)
+            tag.assisted_generation(5, num_groups, 3, trainers, me, generate, keep,
+                                    join=lambda shares: None, lockstep=False)
         covered = sorted(5 * 3 + t for first, lo, hi in generated for t in range(lo, hi)
                          if first == 5)
         assert covered == list(range(15, 15 + 3 * num_groups)), (trainers, generated)
         sizes = {hi - lo for _, lo, hi in generated}
-        assert max(sizes) - min(sizes) <= 1  # the floor or the ceiling each: no trainer idles a group's time
+        assert max(sizes) - min(sizes) <= 1  # the floor or the ceiling each: none idles a group
         if num_groups * 3 % trainers:
             assert any(lo % 3 for _, lo, hi in generated)  # some group is split over trainers
 
         def join(shares):
             whole = gap.concat_fragments(shares)
             assert whole.num_samples == 3 * num_groups  # advantages only for whole groups
-            whole.advantages = whole.rewards - whole.rewards.reshape(-1, 3).mean(1).repeat_interleave(3)
+            mean = whole.rewards.reshape(-1, 3).mean(1).repeat_interleave(3)
+            whole.advantages = whole.rewards - mean
             return whole
 
-        for me in range(trainers):  # the exchange: every trainer ends with the whole fragment, in order
-            whole = tag.assisted_generation(5, num_groups, 3, trainers, me, lambda f, lo, hi: parts[me],
+        for me in range(trainers):  # the exchange: every trainer ends with the whole, in order
+            whole = tag.assisted_generation(5, num_groups, 3, trainers, me,
+                                            lambda f, lo, hi: parts[me],
                                             lambda part, owner: parts[owner], join, lockstep=False)
             assert whole.first_group == 5 and whole.num_groups == num_groups
             assert whole.rewards.tolist() == list(range(15, 15 + 3 * num_groups))

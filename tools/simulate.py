@@ -197,8 +197,9 @@ def _disaggregated(sim, mode, costs, cluster, wl):
                 waiting=sum(hi - lo for lo, hi, _ in announced[step][next_seq:]) // unit,
                 in_flight=max(claimed[step] - arrived - tag_claimed[step], 0) // unit, rollout_ranks=R,
                 gen_rollout_s=gen_rollout, gen_trainer_s=gen_unit, train_s=train_unit,
-                fragment_groups=m // unit, trainers=K, quantum=K if wl.fsdp and wl.tag_split != "group-claims" else 1,
-                group_size=G if wl.tag_split == "group-claims" else 0,  # the runtime's cost of its split
+                fragment_groups=m // unit, trainers=K,
+                quantum=K if wl.fsdp and wl.tag_split != "group-claims" else 1,
+                group_size=G if wl.tag_split == "group-claims" else 0,  # the runtime's split cost
                 rollout_start_s=(costs.publish_s + costs.weights_latency_s) if boundary else 0.0,
                 trainer_start_s=costs.publish_s if boundary else 0.0))
         return decisions[key]
