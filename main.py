@@ -59,16 +59,19 @@ class Rank:
     pace: Callable[[], ContextManager]  # --rank-speed (infra/emulate.py, benchmarks); else no-op
     batch: batch_rewards.BatchRewards | None  # batch-level advantages: rewards posted, restated
 
-    def generate(self, step: int, first: int, count: int, version: int, producer: int):
-        """Groups [first, first + count) of step `step`: every producer's one generation path."""
+    def generate(self, step: int, first: int, count: int, version: int, producer: int, part=None):
+        """Groups [first, first + count) of step `step`: every producer's one generation path.
+        part=(lo, hi): only those trajectories, advantages left to the joined groups (TAG)."""
         c = self.cfg
         spec = gap.fragment_spec(c.seed, step, first, count, len(self.source.train),
                                  c.prompts_per_step, c.group_size, c.algo == "dance_grpo")
+        spec, make = (spec, rollout.generate_fragment) if part is None else \
+            (rollout.part_spec(spec, *part), rollout.generate_trajectories)
         kind = "tag" if producer == tag.TAG_PRODUCER else "generate"
         with self.tracer.span(kind, step=step, first_group=first, version=version,
                               samples=len(spec.prompt_ids)), self.pace():
-            fragment = rollout.generate_fragment(self.policy, spec, self.source.train,
-                                                 self.sampling, self.score, version, producer)
+            fragment = make(self.policy, spec, self.source.train, self.sampling, self.score,
+                            version, producer)
         self.job.progress.bump(step)
         if self.batch is not None:
             self.batch.post(fragment)  # before it is announced, sent or shared

@@ -4,6 +4,8 @@ deterministic evaluation.
 
 `generate_fragment` is the one generation path, used by rollout ranks, by colocated ranks and by an
 idle trainer under TAG, so every producer makes the same trajectories from the same FragmentSpec.
+It is `generate_trajectories` (sample, decode, score) then `with_advantages` (per group): under TAG
+several trainers generate parts of one group (`part_spec`); advantages wait for the joined parts.
 The rollout rank's loop (claim, generate, announce, send) is gap.rollout_loop; which weights generate
 and when new ones come in is tcss.RolloutWeights (main.py plugs both in).
 """
@@ -103,19 +105,24 @@ def _per_trajectory(by_step: dict[int, torch.Tensor], keep: list[list[int]]) -> 
 def generate_fragment(policy, spec: FragmentSpec, prompts: list[str], cfg: SamplingConfig, reward_fn,
                       version: int, producer: int, transformer=None) -> Fragment:
     """Generate, score and package one fragment of whole groups (see module docstring)."""
+    fragment = generate_trajectories(policy, spec, prompts, cfg, reward_fn, version, producer,
+                                     transformer)
+    return with_advantages(fragment, cfg)
+
+
+def generate_trajectories(policy, spec: FragmentSpec, prompts: list[str], cfg: SamplingConfig,
+                          reward_fn, version: int, producer: int, transformer=None) -> Fragment:
+    """Generate and score the spec's trajectories, maybe part of a group (TAG by trajectories:
+    `part_spec`). Advantages are NaN: they need the whole group (`with_advantages`, once joined)."""
     prompt_text = [prompts[i] for i in spec.prompt_ids]
     cond = policy.encode_prompts(prompt_text)  # [m, ...]
     keep = [train_slots(cfg, s) for s in spec.noise_seeds]
     final, (x_t, x_next, logp, t_idx, sigmas) = sample_trajectories(
         policy, cond, spec.init_seeds, spec.noise_seeds, cfg, keep, transformer)
     images = policy.decode(final)  # [m, 3, H, W] (video [m, F, 3, H, W]) in [0, 1]
-    scores = reward_fn(images, prompt_text, prompt_ids=spec.prompt_ids)  # name -> [m]; metadata looked up by prompt id
-    total = scores["total"].to(torch.float32)
+    scores = reward_fn(images, prompt_text, prompt_ids=spec.prompt_ids)  # name -> [m]
+    total = _host(scores["total"].to(torch.float32))
     parts = torch.stack([scores[k].to(torch.float32) for k in scores if k != "total"], dim=1)  # [m, n_rewards]
-    # [m] per group, so the fragment is self-contained (batch_rewards restates batch statistics)
-    advantages = grpo.advantages(total, spec.prompt_ids, spec.group_size,
-                                 collapsed_std=cfg.collapsed_std, collapsed=cfg.collapsed_groups,
-                                 clip=cfg.adv_clip)
     return Fragment(
         step=spec.step, first_group=spec.first_group, policy_version=version, producer=producer,
         group_size=spec.group_size,
@@ -123,7 +130,27 @@ def generate_fragment(policy, spec: FragmentSpec, prompts: list[str], cfg: Sampl
         cond={k: _host(v) for k, v in cond.items()},
         latents=_host(x_t), next_latents=_host(x_next), timestep_index=t_idx,
         sigmas=sigmas[t_idx], sigmas_next=sigmas[t_idx + 1], log_probs=_host(logp),
-        rewards=_host(total), reward_parts=_host(parts), advantages=_host(advantages))
+        rewards=total, reward_parts=_host(parts), advantages=torch.full_like(total, float("nan")))
+
+
+def with_advantages(fragment: Fragment, cfg: SamplingConfig) -> Fragment:
+    """The fragment (whole groups) with its group advantages, from its rewards on the host: the same
+    numbers whoever generated which trajectories of a group. Per group, so the fragment is
+    self-contained (batch_rewards.py restates batch statistics); collapsed groups guarded."""
+    advantages = grpo.advantages(fragment.rewards, fragment.prompt_ids, fragment.group_size,
+                                 collapsed_std=cfg.collapsed_std, collapsed=cfg.collapsed_groups,
+                                 clip=cfg.adv_clip)  # [m]
+    return dataclasses.replace(fragment, advantages=advantages)
+
+
+def part_spec(spec: FragmentSpec, lo: int, hi: int) -> FragmentSpec:
+    """Trajectories [lo, hi) of the spec (indices within it), each with the prompt and seeds it has
+    in the whole: a part of a group is generated exactly as in one piece (fragment_spec's seeds,
+    DanceGRPO's shared initial noise included). It keeps the spec's first_group: only the joined
+    parts are whole groups."""
+    return dataclasses.replace(spec, prompt_ids=spec.prompt_ids[lo:hi],
+                               init_seeds=spec.init_seeds[lo:hi],
+                               noise_seeds=spec.noise_seeds[lo:hi])
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:

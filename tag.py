@@ -16,14 +16,12 @@ Generation runs under no_grad and never calls the optimizer or touches accumulat
 The decision (`assist_groups`) is a makespan prediction from running estimates (generation time of a
 fragment on a rollout rank and of a group on one trainer, training time of a group) and the groups
 unclaimed, in flight and waiting: it simulates the rest of the step for every share the trainers
-could claim (multiples of `quantum`: K under FSDP, whose ranks must run the same forwards) and takes
-the one that ends the step soonest, 0 unless that beats not assisting. When training is the
-bottleneck it declines (the trainers would only delay work about to arrive); when generation is, it
-takes the share that balances the two. tools/simulate.py runs the same predictor.
+could claim (multiples of `quantum`, 1 in the runtime) and takes the one that ends the step soonest,
+0 unless that beats not assisting: it declines when training is the bottleneck, and balances the two
+when generation is. tools/simulate.py runs the same predictor and cost of a split (`share_groups`).
 
-Under FSDP every trainer must run the same forwards: the leader claims multiples of K, and a claim that
-comes back short (a rollout rank claimed in between) is padded: a trainer without a share generates a
-group anyway and drops it (`assisted_generation(lockstep=True)`).
+By trajectories: a claim's trajectories, not its groups, are split over the K trainers (a group of
+8 is generated 2 per trainer by 4), each from its own seeds; advantages wait for the joined groups.
 
 Departures from the paper: claims are whole groups (the unit of a fragment), not single samples;
 in-flight fragments are assumed half done (ranks do not report progress).
@@ -111,9 +109,14 @@ def predict_step_end(state: StepState, assist: int) -> float:
 
 def tag_generation_s(state: StepState, groups: int) -> float:
     """Seconds the trainer group takes to generate `groups` split over its K trainers."""
-    k, g = max(state.trainers, 1), state.group_size
-    share = math.ceil(groups * g / k) / g if g > 0 else math.ceil(groups / k)  # in groups
-    return share * state.gen_trainer_s
+    return share_groups(groups, state.trainers, state.group_size) * state.gen_trainer_s
+
+
+def share_groups(groups: int, trainers: int, group_size: int = 0) -> float:
+    """The largest trainer's share of `groups` over `trainers`, in group times: by trajectories
+    (group_size G > 0: ceil(n G / K) / G, the runtime's) or by whole groups (ceil(n / K))."""
+    k, g = max(trainers, 1), group_size
+    return math.ceil(groups * g / k) / g if g > 0 else math.ceil(groups / k)
 
 
 def assist_groups(state: StepState, margin_s: float = 0.0) -> int:
@@ -157,9 +160,10 @@ class RolloutTimes:
         return sum(per_group) / len(per_group) * self.fragment_groups if per_group else None
 
 
-def split_groups(num_groups: int, world: int, rank: int) -> tuple[int, int]:
-    """Contiguous share [start, end) of `num_groups` groups that trainer `rank` of `world` generates."""
-    return num_groups * rank // world, num_groups * (rank + 1) // world
+def split_groups(num_items: int, world: int, rank: int) -> tuple[int, int]:
+    """Contiguous share [start, end) of `num_items` (TAG: a claim's trajectories) that trainer
+    `rank` of `world` generates: every share is the floor or the ceiling of num_items / world."""
+    return num_items * rank // world, num_items * (rank + 1) // world
 
 
 # --- the protocol ---------------------------------------------------------------------------------
@@ -168,13 +172,16 @@ class Assistant:
 
     The queue is reached through callables (claim, counts) so the file stays self-contained:
       claim(step, n) -> (first_group, count) | None; claimed(step), announced_groups(step) -> int;
-      rollout_gen_s() -> seconds per fragment of fragment_groups groups on a rollout rank, or None."""
+      rollout_gen_s() -> seconds per fragment of fragment_groups groups on a rollout rank, or None.
+    group_size > 0: the trainers split a claim by trajectories (assisted_generation), and the
+    predictor costs it so (share_groups); 0: by whole groups (simulate.py's tag_split="groups")."""
 
     def __init__(self, groups_per_step: int, fragment_groups: int, rollout_ranks: int, trainers: int, quantum: int,
                  claim: Callable, claimed: Callable, announced_groups: Callable, rollout_gen_s: Callable,
-                 poll_s: float = 0.001, steps: int | None = None):
+                 poll_s: float = 0.001, steps: int | None = None, group_size: int = 0):
         self.groups_per_step, self.fragment_groups, self.rollout_ranks = groups_per_step, fragment_groups, rollout_ranks
         self.trainers, self.quantum, self.poll_s, self.steps = trainers, quantum, poll_s, steps
+        self.group_size = group_size
         self.claim, self.claimed = claim, claimed
         self.announced_groups, self.rollout_gen_s = announced_groups, rollout_gen_s
         self.gen_trainer, self.train = RunningMean(), RunningMean()  # seconds per group
@@ -195,8 +202,8 @@ class Assistant:
             rollout_ranks=self.rollout_ranks, fragment_groups=self.fragment_groups, gen_rollout_s=gen_rollout,
             gen_trainer_s=self.gen_trainer.value if self.gen_trainer.value is not None
             else gen_rollout / self.fragment_groups,  # unmeasured: assume the trainer GPU generates like a rollout one
-            train_s=self.train.value, trainers=self.trainers, quantum=self.quantum,
-            rollout_start_s=start_s, trainer_start_s=start_s)
+            train_s=self.train.value, trainers=self.trainers, group_size=self.group_size,
+            quantum=self.quantum, rollout_start_s=start_s, trainer_start_s=start_s)
 
     def consider(self, step: int, groups_done: int, before_publish: bool = False) -> bool:
         """Claim the predictor's share of `step` for the trainer group; True if it claimed anything.
@@ -227,7 +234,8 @@ class Assistant:
 
     def generated_groups(self, step: int, groups: int, seconds: float) -> None:
         self.generated[step] += groups
-        self.gen_trainer.update(seconds / max(math.ceil(groups / self.trainers), 1))  # per group on one trainer
+        share = share_groups(groups, self.trainers, self.group_size)  # group times, as predicted
+        self.gen_trainer.update(seconds / max(share, 1e-9))  # seconds per group on one trainer
 
     def trained_groups(self, groups: int, seconds: float) -> None:
         self.train.update(seconds / max(groups, 1))
@@ -248,47 +256,66 @@ class Assistant:
             table.pop(step, None)
 
 
-def assisted_generation(first_group: int, num_groups: int, trainers: int, me: int, generate: Callable,
-                        share: Callable, concat: Callable, *, lockstep: bool):
-    """Every trainer generates its contiguous share of the groups at the same time, then the shares are
-    exchanged: share(part | None, owner) returns owner's part on every trainer. Returns the whole fragment
-    on every trainer.
-
-    `lockstep` (FSDP: a forward is a collective, so every trainer must run the same forwards): a trainer whose
-    share is empty (fewer groups than trainers: the leader asked for a multiple of K, but a rollout rank claimed
-    in between and the claim came back short) generates the claim's first group anyway and drops it, a
-    padding pass like TSP's weight-0 pairs. It costs no wall time: that trainer would otherwise wait for the
-    others' shares."""
-    lo, hi = split_groups(num_groups, trainers, me)
-    mine = generate(first_group + lo, hi - lo) if hi > lo else None
+def assisted_generation(first_group: int, num_groups: int, group_size: int, trainers: int, me: int,
+                        generate: Callable, share: Callable, join: Callable, *, lockstep: bool):
+    """Every trainer generates its contiguous share of the claim's trajectories (a group may be
+    split over several), then the shares are exchanged and joined: the whole fragment on each.
+    generate(first_group, lo, hi): trajectories [lo, hi) of the claim, each from the seeds it has in
+    one piece, scored, no advantages; share(part | None, owner): owner's part on every trainer;
+    join(parts): concatenated in order, with the group advantages (they need the whole group).
+    `lockstep` (FSDP: each forward all-gathers the weights, so every trainer must run the same
+    number of forward calls; batch sizes may differ: each share is the floor or the ceiling): a
+    trainer with an empty share (fewer trajectories than trainers) generates the claim's first
+    trajectory anyway and drops it, a padding pass like TSP's weight-0 pairs."""
+    shares = [split_groups(num_groups * group_size, trainers, r) for r in range(trainers)]
+    lo, hi = shares[me]
+    mine = generate(first_group, lo, hi) if hi > lo else None
     if mine is None and lockstep:
-        generate(first_group, 1)  # padding: the same denoising forwards as the others, result unused
-    owners = [r for r in range(trainers)
-              if split_groups(num_groups, trainers, r)[1] > split_groups(num_groups, trainers, r)[0]]
-    return concat([share(mine if r == me else None, r) for r in owners])
+        generate(first_group, 0, 1)  # padding: the same denoising forwards as the others, unused
+    owners = [r for r, (a, b) in enumerate(shares) if b > a]
+    return join([share(mine if r == me else None, r) for r in owners])
 
 
 # --- python3 tag.py: the mechanism alone, on a scripted step -----------------------------------------------
 def _demo() -> None:
-    groups, claimed = 8, {"n": 1}  # the rollout rank has claimed group 0 already
+    import torch
+
+    groups, size, claimed = 8, 8, {"n": 1}  # groups of 8; the rollout rank has claimed group 0
 
     def claim(step: int, n: int) -> tuple[int, int] | None:  # the queue's atomic claim (gap.FragmentQueue)
         first = claimed["n"]
         claimed["n"] = min(first + n, groups)
         return (first, claimed["n"] - first) if first < groups else None
 
-    assistant = Assistant(groups_per_step=groups, fragment_groups=1, rollout_ranks=1, trainers=2, quantum=1,
-                          claim=claim, claimed=lambda step: claimed["n"], announced_groups=lambda step: 0,
-                          rollout_gen_s=lambda: 1.0)  # the rollout rank reported 1 s per group
+    assistant = Assistant(groups_per_step=groups, fragment_groups=1, rollout_ranks=1, trainers=4,
+                          quantum=1, claim=claim, claimed=lambda step: claimed["n"],
+                          announced_groups=lambda step: 0,
+                          rollout_gen_s=lambda: 1.0, group_size=size)  # 1 s per group
     assistant.trained_groups(groups=1, seconds=0.1)  # training one group took 0.1 s on the trainer group
     state = assistant.state(step=0, groups_done=0)
-    print("TAG: 1 rollout rank at 1 s/group, 2 idle trainers; predicted step end by groups the trainers claim:")
-    for n in range(0, 5):
-        print(f"  claim {n}: the step ends in {predict_step_end(state, n):.2f} s")
+    ends = (f"claim {n}: the step ends in {predict_step_end(state, n):.2f} s" for n in range(5))
+    print("TAG, 1 rollout rank at 1 s/group, 4 idle trainers: " + ", ".join(ends))
     decide = assistant.strategy(0, poll=lambda seq: False, train_cmd=0, produce_cmd=1)
     kind, first, count = decide(0, 0)
-    print(f"the leader claims groups [{first}, {first + count}) for the trainers (command {kind}: generate); "
-          f"a trainer generates {split_groups(count, 2, 0)} and {split_groups(count, 2, 1)} of them")
+    print(f"the leader claims groups [{first}, {first + count}) for the trainers "
+          f"(command {kind}: generate)")
+    # Split by trajectories: 6 x 8 = 48 over 4 trainers, 12 each: group 2 (trajectories 8..15 of the
+    # claim) is generated by trainers 0 and 1. Rewards per trajectory, advantages per joined group.
+    def generate(first_group: int, lo: int, hi: int) -> list[float]:  # scored, no advantages
+        return [float((first_group * size + t) % 3) for t in range(lo, hi)]
+
+    def join(parts: list[list[float]]) -> torch.Tensor:  # grpo.group_advantages, in short
+        r = torch.tensor([x for part in parts for x in part]).reshape(-1, size)
+        return (r - r.mean(1, keepdim=True)) / (r.std(1, unbiased=False, keepdim=True) + 1e-4)
+
+    shares = [split_groups(count * size, 4, me) for me in range(4)]
+    joined = assisted_generation(first, count, size, 4, 0,
+                                 generate=lambda *a: generate(first, *shares[0]),
+                                 share=lambda part, r: generate(first, *shares[r]), join=join,
+                                 lockstep=True)
+    print(f"split by trajectories: trainers' shares {shares}; group {first + 1}'s advantages "
+          "joined == "
+          f"in one piece: {torch.equal(joined[1], join([generate(first + 1, 0, size)])[0])}")
     bound = StepState(unclaimed=6, in_flight=1, waiting=0, rollout_ranks=1, gen_rollout_s=1.0, gen_trainer_s=1.0,
                       train_s=2.0)
     print(f"when training is the bottleneck (2 s/group) it declines: claim {assist_groups(bound)}")

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 
 import comm
 import gap
+import rollout
 import tag
 import transport
 import tsp
@@ -103,27 +104,36 @@ class TrainerFragments:
             return transport.broadcast_fragment(part, self.groups.trainer_ranks[owner], self.groups.trainer_data)
 
     def assist(self, step: int, first: int, count: int) -> gap.Fragment:
-        """TAG, on every trainer: generate its share of the claimed groups with the current weights."""
+        """TAG, on every trainer: generate its share of the claimed groups' trajectories with the
+        current weights; the joined fragment gets its advantages on every trainer."""
         start = time.perf_counter()
-        generate = functools.partial(self.generate_groups, step)
-        fragment = tag.assisted_generation(first, count, self.groups.num_trainers, self.groups.trainer_index,
-                                           generate=generate, share=self.share_part, concat=gap.concat_fragments,
-                                           lockstep=self.cfg.fsdp)  # FSDP: equal forwards on every trainer
+        generate = functools.partial(self.generate_part, step, count)
+        g = self.groups
+        fragment = tag.assisted_generation(first, count, self.cfg.group_size, g.num_trainers,
+                                           g.trainer_index, generate=generate,
+                                           share=self.share_part, join=self.join,
+                                           lockstep=self.cfg.fsdp)  # FSDP: the same forwards
         if self.assistant is not None:
             self.assistant.generated_groups(step, count, time.perf_counter() - start)
         return fragment
 
-    def generate_groups(self, step: int, first: int, count: int) -> gap.Fragment:
-        return self.generate(step, first, count, self.version(), tag.TAG_PRODUCER)
+    def generate_part(self, step: int, count: int, first: int, lo: int, hi: int) -> gap.Fragment:
+        """Trajectories [lo, hi) of groups [first, first + count): scored, no advantages yet."""
+        return self.generate(step, first, count, self.version(), tag.TAG_PRODUCER, part=(lo, hi))
+
+    def join(self, parts: list[gap.Fragment]) -> gap.Fragment:
+        joined = gap.concat_fragments(parts)  # whole groups again: their advantages can be computed
+        return rollout.with_advantages(joined, rollout.SamplingConfig.of(self.cfg))
 
 
 def assistant(cfg, groups: comm.Groups, queue: gap.FragmentQueue, job) -> tag.Assistant:
     """TAG on the trainer leader: the queue's claims and counts, the rollout ranks' reported times."""
     times = tag.RolloutTimes(job.prefixed("timing"), groups.rollout_ranks, cfg.fragment_groups)
     return tag.Assistant(cfg.prompts_per_step, cfg.fragment_groups, len(groups.rollout_ranks), groups.num_trainers,
-                         quantum=groups.num_trainers if cfg.fsdp else 1, claim=queue.claim,
+                         quantum=1, claim=queue.claim,  # split by trajectories: any claim fits FSDP
                          claimed=queue.num_claimed, announced_groups=queue.num_announced_groups,
-                         rollout_gen_s=times.per_fragment_s, steps=cfg.steps)
+                         rollout_gen_s=times.per_fragment_s, steps=cfg.steps,
+                         group_size=cfg.group_size)  # the predictor costs the split by trajectories
 
 
 def publish(groups: comm.Groups, dtype, tensors, count: int, version: int) -> None:

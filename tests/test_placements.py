@@ -183,6 +183,36 @@ def test_tag_acts_and_the_update_is_unchanged(tiny_cache, tmp_path, initial):
                        initial, "tag", atol=1e-4)
 
 
+def test_tag_by_trajectories_splits_a_group_over_fsdp_trainers_and_the_update_is_unchanged(
+        tiny_cache, tmp_path, initial):
+    """TAG by trajectories under FSDP: at step 1 the scripted leader claims all 3 groups of 3, and
+    the K = 2 trainers generate 4 and 5 of the 9 trajectories (group 1 by both; FSDP needs the same
+    number of forward calls, not the same batch sizes). Catches a part generated from other seeds or
+    prompts, advantages computed per part (or not at all), parts joined out of order, a split by
+    whole groups, and unequal forward calls (a hang)."""
+    import json
+
+    args = ["--steps", "2", "--prompts-per-step", "3", "--group-size", "3", "--num-steps", "3",
+            "--fragment-groups", "3", "--eval-every", "0", "--save-every", "2", "--seed", SEED,
+            "--timeout-s", "60", "--optimizer", "sgd", "--lr", "1"]
+    run_main([*args, "--mode", "colocated", "--nproc", "1", "--no-trace",
+              "--run-name", "reference"], tmp_path, tiny_cache)
+    run_main([*args, *DISAGG, "--tsp", "--tsp-pack", "3", "--tag", "--fsdp", "--nproc", "3",
+              "--run-name", "split"], tmp_path, tiny_cache, env=SCRIPTED)
+    rows, ref_rows = read_metrics(tmp_path / "split"), read_metrics(tmp_path / "reference")
+    assert [r["tag_fragments"] for r in rows] == [0, 1], "scripted: TAG generates step 1"
+    events = json.loads((tmp_path / "split" / "trace.json").read_text())["traceEvents"]
+    shares = sorted((e["tid"], e["args"]["samples"]) for e in events
+                    if e["ph"] == "X" and e["name"] == "tag" and e["args"].get("step") == 1)
+    assert shares == [(1, 4), (2, 5)], shares  # trajectories 0-3 and 4-8: group 1 (3-5) by both
+    assert all(r["trajectories"] == 9 for r in rows)
+    for row, ref in zip(rows, ref_rows):
+        assert row["reward_mean"] == pytest.approx(ref["reward_mean"], abs=1e-6)
+    assert_same_update(checkpoint_weights(tmp_path / "split", 2),
+                       checkpoint_weights(tmp_path / "reference", 2), initial,
+                       "tag by trajectories", atol=1e-4)
+
+
 def test_async_staleness_is_zero_or_one_and_bounded(tiny_cache, tmp_path):
     steps = ["--steps", "4", "--prompts-per-step", "3", "--group-size", "3", "--num-steps", "3", "--eval-every", "0",
              "--save-every", "0", "--timeout-s", "60", "--nproc", "2", "--no-trace", "--updates-per-batch", "2"]

@@ -14,7 +14,8 @@ atomic `add`), and plain callables stand in for the ranks. Each test names the b
 - GAP trains a fragment before the next one is received; the barrier after all of them;
 - dealt fragments: trainer k of K gets announcements k, k + K, ... (catches a fragment trained twice);
 - the TSP lockstep protocol trains each announced fragment once and counts groups, not fragments;
-- TAG's assisted generation generates each claimed group exactly once, at its global index;
+- TAG's assisted generation generates each claimed trajectory exactly once, at its global index,
+  split over the trainers by trajectories, advantages only after the join;
 - TAG's leader (tag.Assistant) on scripted times: no claim before both sides are measured, then the predictor
   sees the queue's counts and the measured times as they are (catches groups in flight counted as waiting, TAG's
   own claims counted as the rollout's, the publish time ignored before a publish) and its share is claimed;
@@ -269,28 +270,54 @@ def test_lockstep_trains_each_announced_fragment_once_and_counts_groups():
     assert next(follower) is announced[0]
 
 
-def test_assisted_generation_generates_each_claimed_group_once_at_its_global_index():
-    for trainers, num_groups in [(1, 3), (2, 3), (3, 5), (4, 2)]:
+def _numbered_rows(first_group, lo, hi, group_size=3):
+    """Trajectories [lo, hi) of the groups from first_group as a part: row = global index."""
+    whole = _numbered_fragment(first_group, -(-hi // group_size), group_size)
+    part = gap.Fragment.from_parts(whole.ints(), {k: v[lo:hi] for k, v in whole.tensors().items()})
+    part.group_size, part.advantages = group_size, part.advantages * float("nan")  # not computed
+    return part
+
+
+def test_assisted_generation_generates_each_claimed_trajectory_once_at_its_global_index():
+    """TAG by trajectories (G = 3): catches a share generated at its index within the claim instead
+    of the batch, a trajectory generated twice or never, parts joined out of order, and advantages
+    taken before the parts are joined (a part of a group has no advantages)."""
+    for trainers, num_groups in [(1, 3), (2, 3), (3, 5), (4, 1), (4, 2)]:
         generated, parts = [], {}
 
-        def generate(first, count):
-            generated.append((first, count))
-            return _numbered_fragment(first, count)
+        def generate(first, lo, hi):
+            generated.append((first, lo, hi))
+            return _numbered_rows(first, lo, hi)
 
         def keep(part, owner):
             if part is not None:
                 parts[owner] = part
 
         for me in range(trainers):  # every trainer generates its share (the exchange comes next)
-            tag.assisted_generation(5, num_groups, trainers, me, generate, keep, concat=lambda shares: None,
-                                    lockstep=False)
-        covered = sorted(g for first, count in generated for g in range(first, first + count))
-        assert covered == list(range(5, 5 + num_groups)), (trainers, generated)
-        for me in range(trainers):  # the exchange: every trainer ends with the whole fragment, in group order
-            whole = tag.assisted_generation(5, num_groups, trainers, me, lambda f, c: parts[me],
-                                            lambda part, owner: parts[owner], gap.concat_fragments, lockstep=False)
+            tag.assisted_generation(5, num_groups, 3, trainers, me, generate, keep,
+                                    join=lambda shares: None, lockstep=False)
+        covered = sorted(5 * 3 + t for first, lo, hi in generated for t in range(lo, hi)
+                         if first == 5)
+        assert covered == list(range(15, 15 + 3 * num_groups)), (trainers, generated)
+        sizes = {hi - lo for _, lo, hi in generated}
+        assert max(sizes) - min(sizes) <= 1  # the floor or the ceiling each: none idles a group
+        if num_groups * 3 % trainers:
+            assert any(lo % 3 for _, lo, hi in generated)  # some group is split over trainers
+
+        def join(shares):
+            whole = gap.concat_fragments(shares)
+            assert whole.num_samples == 3 * num_groups  # advantages only for whole groups
+            mean = whole.rewards.reshape(-1, 3).mean(1).repeat_interleave(3)
+            whole.advantages = whole.rewards - mean
+            return whole
+
+        for me in range(trainers):  # the exchange: every trainer ends with the whole, in order
+            whole = tag.assisted_generation(5, num_groups, 3, trainers, me,
+                                            lambda f, lo, hi: parts[me],
+                                            lambda part, owner: parts[owner], join, lockstep=False)
             assert whole.first_group == 5 and whole.num_groups == num_groups
-            assert whole.rewards.tolist() == list(range(10, 10 + 2 * num_groups))
+            assert whole.rewards.tolist() == list(range(15, 15 + 3 * num_groups))
+            assert whole.advantages.tolist() == [-1.0, 0.0, 1.0] * num_groups
 
 
 # --- TAG's leader on scripted times -------------------------------------------------------------------

@@ -278,6 +278,10 @@ def test_tag_by_trajectories_by_hand():
     assert groups.step_s == pytest.approx(3 * 4 * 0.05 + 0.01)
     assert traj.step_s == pytest.approx(4 * 0.05 + 0.01)
     assert groups.tag_groups == traj.tag_groups == 1  # every step's group (step 0's claimed mid-step)
+    # the runtime's TAG (whole-group claims, split by trajectories) splits like "trajectories" here
+    runtime = sim.simulate("gap+tsp+tag", costs, cluster,
+                           sim.Workload(**{**wl.__dict__, "tag_split": "group-claims"}))
+    assert runtime.step_s == pytest.approx(traj.step_s) and runtime.tag_groups == 1
 
 
 def test_tag_may_claim_part_of_a_group_by_hand():
@@ -294,3 +298,8 @@ def test_tag_may_claim_part_of_a_group_by_hand():
     traj = sim.simulate("gap+tsp+tag", costs, one_each, sim.Workload(**{**wl.__dict__, "tag_split": "trajectories"}))
     assert groups.step_s == pytest.approx(0.603) and groups.tag_groups == 0
     assert traj.step_s == pytest.approx(0.403) and traj.tag_groups == pytest.approx(1 / 3)
+    # the runtime's TAG claims whole groups: it cannot help here either (catches group-claims that
+    # claim trajectories)
+    runtime = sim.simulate("gap+tsp+tag", costs, one_each,
+                           sim.Workload(**{**wl.__dict__, "tag_split": "group-claims"}))
+    assert runtime.step_s == pytest.approx(0.603) and runtime.tag_groups == 0

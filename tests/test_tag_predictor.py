@@ -69,3 +69,38 @@ def test_fragment_units_still_work():
     assert tag.assist_groups(tag.StepState(1, 7, 0, 8, 5.0, 5.0, 1.0)) == 0
     assert tag.assist_groups(tag.StepState(0, 2, 0, 1, 5.0, 5.0, 1.0)) == 0  # nothing to claim
     assert tag.predict_step_end(GEN_BOUND, True) == tag.predict_step_end(GEN_BOUND, 1)
+
+
+def _assistant(group_size):
+    claims = []
+    assistant = tag.Assistant(groups_per_step=2, fragment_groups=1, rollout_ranks=1, trainers=4,
+                              quantum=1, claim=lambda step, n: claims.append(n) or (0, n),
+                              claimed=lambda step: 0, announced_groups=lambda step: 0,
+                              rollout_gen_s=lambda: 1.0, group_size=group_size)
+    assistant.train.update(0.05)
+    assistant.gen_trainer.update(1.0)  # a group on one trainer takes as long as on the rollout rank
+    return assistant, claims
+
+
+def test_the_runtime_leader_costs_a_claim_split_by_trajectories():
+    """By hand: 2 groups of G = 8 left, 1 rollout rank at 1 s per group, K = 4 trainers at 1 s per
+    group on one trainer, 0.05 s to train a group. Split by trajectories, claiming both costs
+    ceil(16 / 4) / 8 = 0.5 group times: 0.5 + 0.1 = 0.60 s, the best. By groups (3 trainers idle) a
+    group costs 1 s either way: claim 1, end 1.10 s. Catches the leader handing the predictor no
+    group size (costing the old split) and a measured trainer time not in the predictor's unit."""
+    by_traj, claims = _assistant(8)
+    state = by_traj.state(0, 0)
+    assert state.group_size == 8 and state.quantum == 1
+    ends = [tag.predict_step_end(state, n) for n in range(3)]
+    assert ends == pytest.approx([2.05, 1.05, 0.60])
+    assert by_traj.consider(0, 0) and claims == [2]
+    by_groups, claims = _assistant(0)
+    ends = [tag.predict_step_end(by_groups.state(0, 0), n) for n in range(3)]
+    assert ends == pytest.approx([2.05, 1.10, 1.10])
+    assert by_groups.consider(0, 0) and claims == [1]
+    # measured: 2 groups in 0.5 s by 4 trainers is 4 trajectories each: 1 s per group on one trainer
+    by_traj.gen_trainer = tag.RunningMean()
+    by_traj.generated_groups(0, 2, 0.5)
+    assert by_traj.gen_trainer.value == pytest.approx(1.0)
+    assert tag.share_groups(1, 4, 8) == 0.25 and tag.share_groups(5, 4) == 2
+    assert tag.share_groups(3, 2, 3) == 5 / 3

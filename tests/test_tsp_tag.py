@@ -7,7 +7,8 @@ import torch
 import gap
 import tag
 import tsp
-from rollout import SamplingConfig, generate_fragment, num_train_timesteps
+from rollout import (SamplingConfig, generate_fragment, generate_trajectories, num_train_timesteps,
+                     part_spec, with_advantages)
 from conftest import tiny_fragment
 from trainer import TrainConfig, Trainer
 
@@ -70,6 +71,55 @@ def test_same_fragment_same_trajectories_whoever_generates_it(setup):
     part = generate_fragment(policy, half, prompts, sampling, reward, version=0, producer=5)
     torch.testing.assert_close(part.latents, fragment.latents[:3], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(part.log_probs, fragment.log_probs[:3], rtol=1e-5, atol=1e-6)
+
+
+def test_a_group_split_over_trainers_by_trajectories_is_the_group_generated_in_one_piece(setup):
+    """TAG by trajectories: 2 groups of 3 over K = 4 trainers (2, 1, 2, 1 trajectories: both groups
+    split). Catches a part generated from part-local seeds or prompts, advantages computed per part
+    or not at all, parts joined out of order, and generate_fragment no longer being
+    generate_trajectories + with_advantages."""
+    policy, sampling, reward, prompts, spec, fragment = setup
+    k, g = 4, spec.group_size
+    assert (tag.split_groups(6, k, 1), tag.split_groups(6, k, 2)) == ((1, 3), (3, 4))  # in a group
+    shares = [tag.split_groups(len(spec.prompt_ids), k, me) for me in range(k)]
+    parts = {}
+    for me, (lo, hi) in enumerate(shares):
+        part = part_spec(spec, lo, hi)  # the inputs: the whole's seeds and prompts, bit for bit
+        for name in ("prompt_ids", "init_seeds", "noise_seeds"):
+            assert getattr(part, name) == getattr(spec, name)[lo:hi], name
+        parts[me] = generate_trajectories(policy, part, prompts, sampling, reward, 0, producer=-2)
+        assert torch.isnan(parts[me].advantages).all()  # a part of a group has no advantages
+
+    def join(shares):
+        return with_advantages(gap.concat_fragments(shares), sampling)
+
+    whole = tag.assisted_generation(spec.first_group, spec.num_groups, g, k, 0, lambda *a: parts[0],
+                                    lambda part, owner: parts[owner], join, lockstep=True)
+    assert (whole.first_group, whole.num_groups, whole.group_size) == (0, 2, 3)
+    for name in ("prompt_ids", "timestep_index", "sigmas", "sigmas_next"):
+        assert torch.equal(getattr(whole, name), getattr(fragment, name)), name
+    assert torch.equal(whole.latents[:, 0], fragment.latents[:, 0])  # the initial noises, exactly
+    # the rest agrees to float32 rounding: a CPU matmul's rounding depends on the batch size
+    # (1.2e-7 seen)
+    for name in ("latents", "next_latents", "log_probs", "rewards", "advantages"):
+        torch.testing.assert_close(getattr(whole, name), getattr(fragment, name), rtol=1e-5,
+                                   atol=1e-5)
+    with pytest.raises(ValueError):  # a part alone is no group: its advantages cannot be computed
+        with_advantages(parts[0], sampling)
+    # one piece (K = 1): generate_trajectories then with_advantages is generate_fragment, exactly
+    one = generate_trajectories(policy, spec, prompts, sampling, reward, 0, 0)
+    one = with_advantages(one, sampling)
+    for name, value in fragment.tensors().items():
+        assert torch.equal(value, one.tensors()[name]), name
+
+
+def test_dance_grpo_parts_of_a_group_share_its_initial_noise():
+    """DanceGRPO starts every member of a group from one noise: a part generated on another trainer
+    keeps it (catches a part's seeds recomputed from its own first trajectory)."""
+    spec = gap.fragment_spec(0, 1, 2, 2, 5, 4, 4, shared_group_noise=True)  # groups 2, 3 of 4
+    part = part_spec(spec, 2, 6)  # the second half of group 2 and the first half of group 3
+    assert part.init_seeds == [spec.init_seeds[0]] * 2 + [spec.init_seeds[4]] * 2
+    assert part.noise_seeds == spec.noise_seeds[2:6] and len(set(part.noise_seeds)) == 4
 
 
 def _checksum(tensors):
@@ -165,10 +215,12 @@ def test_a_short_tag_claim_still_gives_every_fsdp_trainer_the_same_forwards():
     first, count = assistant.pending[step][0]
     assert (first, count) == (22, 2)  # ... and gets 2: fewer than the K trainers
     calls = {me: [] for me in range(k)}
+    g = 1  # one trajectory per group here, so the short claim has fewer trajectories than trainers
     for me in range(k):  # each trainer's side of the command (gap.broadcast_fragment stands in as `share`)
-        tag.assisted_generation(first, count, k, me, generate=lambda f, c, me=me: calls[me].append((f, c)) or (f, c),
-                                share=lambda part, owner: part, concat=list, lockstep=True)
+        tag.assisted_generation(
+            first, count, g, k, me, share=lambda part, owner: part, join=list, lockstep=True,
+            generate=lambda f, lo, hi, me=me: calls[me].append((f, lo, hi)) or (f, lo, hi))
     assert [len(c) for c in calls.values()] == [1] * k, calls  # the same denoising forwards on every trainer
-    kept = sorted(g for me in range(k) for f, c in calls[me][:1] for g in range(f, f + c)
-                  if tag.split_groups(count, k, me)[1] > tag.split_groups(count, k, me)[0])
-    assert kept == [22, 23]  # the groups themselves are generated exactly once by their owners
+    kept = sorted(f * g + t for me in range(k) for f, lo, hi in calls[me][:1] for t in range(lo, hi)
+                  if tag.split_groups(count * g, k, me)[1] > tag.split_groups(count * g, k, me)[0])
+    assert kept == [22, 23]  # the trajectories themselves are generated once, by their owners

@@ -64,7 +64,8 @@ class Workload:
     fsdp: bool = False  # TAG claims multiples of K groups (every FSDP rank runs the same forwards)
     # Issue 25's two runtime changes, as options of the one cost model (defaults = today's runtime):
     tag_split: str = "groups"  # "trajectories": TAG claims any number of trajectories (part of a group
-    #   too) and splits them over the K trainers by trajectories; "groups": whole groups, split by groups
+    #   too) and splits them over the K trainers by trajectories; "groups": whole groups, split by
+    #   groups; "group-claims": whole groups split by trajectories (the runtime's TAG, issue 25)
     tsp_span: bool = False  # TSP packs span the fragments of a step: padding once per step, not per fragment
     steps: int = 10  # simulated RL steps: the `warmup` first and the last one are not measured
     warmup: int = 2

@@ -21,7 +21,8 @@ Issue 25's two runtime changes are Workload options of this one model (defaults:
               pack is padded. Off: each fragment is padded to whole packs (tsp.num_passes).
   tag_split   "trajectories": the predictor runs in units of trajectories, so the leader may claim part
               of a group, split over the K trainers by trajectories; "groups": whole groups, split by
-              groups (a trainer without a share idles).
+              groups (a trainer without a share idles); "group-claims": whole groups, split by
+              trajectories (the runtime's TAG since issue 25: tag.Assistant with group_size G).
 Colocated: every rank generates its static share of fragments, then trains it; "colocated-real"
 also pays `costs.switch_s` per step (offload/reload and weight sync, see paper_scale.py).
 Several steps are simulated; the report is the steady-state mean (warm-up and last step excluded).
@@ -196,7 +197,9 @@ def _disaggregated(sim, mode, costs, cluster, wl):
                 waiting=sum(hi - lo for lo, hi, _ in announced[step][next_seq:]) // unit,
                 in_flight=max(claimed[step] - arrived - tag_claimed[step], 0) // unit, rollout_ranks=R,
                 gen_rollout_s=gen_rollout, gen_trainer_s=gen_unit, train_s=train_unit,
-                fragment_groups=m // unit, trainers=K, quantum=K if wl.fsdp else 1,
+                fragment_groups=m // unit, trainers=K,
+                quantum=K if wl.fsdp and wl.tag_split != "group-claims" else 1,
+                group_size=G if wl.tag_split == "group-claims" else 0,  # the runtime's split cost
                 rollout_start_s=(costs.publish_s + costs.weights_latency_s) if boundary else 0.0,
                 trainer_start_s=costs.publish_s if boundary else 0.0))
         return decisions[key]
@@ -214,7 +217,7 @@ def _disaggregated(sim, mode, costs, cluster, wl):
 
     def tag_shares(lo, hi):
         """Each trainer's trajectories of a TAG claim: split by trajectories, or by whole groups."""
-        if wl.tag_split == "trajectories":
+        if wl.tag_split != "groups":
             return [tag.split_groups(hi - lo, K, r) for r in range(K)]
         return [(a * G, b * G) for a, b in (tag.split_groups((hi - lo) // G, K, r) for r in range(K))]
 
