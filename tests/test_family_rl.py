@@ -20,7 +20,8 @@ FAMILIES = ["flux", "qwenimage", "wan", "hunyuanvideo", "sd3"]
 # the families' tiny 32 px images / 5-frame videos. Rank 8, alpha 16: LoRA scale 2, so the scale is exercised.
 RL_STEP = ["--mode", "digenrl", "--nproc", "2", "--lora", "--lora-rank", "8", "--lora-alpha", "16", "--steps", "1",
            "--save-every", "1", "--eval-every", "0", "--timeout-s", "60", "--prompts-per-step", "2", "--group-size", "2",
-           "--num-steps", "3", "--text-len", "16", "--seed", "0", "--no-trace"]
+           "--num-steps", "3", "--text-len", "16", "--seed", "0", "--no-trace",
+           "--updates-per-batch", "1"]  # one update: every pair on-policy (ratio 1), LoRA A untouched
 PROMPTS = ["a red image", "a blue image"]
 
 
@@ -150,7 +151,8 @@ def test_dance_grpo_hunyuanvideo_two_steps_with_an_animated_eval(tiny_cache, tmp
     models.tiny_pipeline_path("hunyuanvideo")
     run_main(["--model", "hunyuanvideo", "--algo", "dance_grpo", "--nproc", "2", "--steps", "2", "--eval-every", "2",
               "--save-every", "0", "--prompts-per-step", "2", "--group-size", "2", "--num-steps", "3",
-              "--timeout-s", "60", "--no-trace", "--run-name", "dance"], tmp_path, tiny_cache, timeout=300)
+              "--timeout-s", "60", "--no-trace", "--updates-per-batch", "1", "--run-name", "dance"],
+             tmp_path, tiny_cache, timeout=300)  # one update a step: no pair scored after an update
     rows = read_metrics(tmp_path / "dance")
     assert len(rows) == 2 and all(r["skipped_step"] == 0 for r in rows)
     assert all(r["pairs"] == 2 * 2 * 1 for r in rows)  # DanceGRPO's default: int((T - 1) * 0.6) = 1 of T = 3 steps
