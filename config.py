@@ -201,7 +201,7 @@ class Config:
                               "half a bf16 ulp (lr 1e-5 on typical weights) are lost. No effect with LoRA "
                               "(adapters are always fp32)")
     grad_ckpt: bool = field(False, "gradient checkpointing in the trainer: less memory, ~30%% more compute")
-    max_bad_steps: int = field(3, "abort after this many optimizer steps in a row with a non-finite loss or gradient")
+    max_bad_steps: int = field(3, "abort after this many RL steps in a row with a skipped update (non-finite loss or gradient)")
     # machine
     device: str = field("auto", "auto, cpu or cuda")
     dtype: str = field("auto", "auto (bfloat16 on cuda, float32 on cpu), float32 or bfloat16")

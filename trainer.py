@@ -278,16 +278,11 @@ class Trainer:
         finite = self._losses_finite() and math.isfinite(grad_norm)  # the collective first, always
         if finite:
             self.optimizer.step()
-            self.bad_steps_in_a_row = 0
-        else:  # skip: weights and optimizer state stay as they were
-            self.bad_steps_in_a_row += 1
+        # else skip: weights and optimizer state stay as they were
         self.optimizer.zero_grad(set_to_none=True)
         self.updates_in_step += 1
         self.grad_norms.append(grad_norm if finite else math.nan)
         self._score_probe()
-        if self.bad_steps_in_a_row >= self.cfg.max_bad_steps:
-            raise FloatingPointError(f"{self.bad_steps_in_a_row} optimizer steps in a row had a non-finite loss or "
-                                     f"gradient (--max-bad-steps {self.cfg.max_bad_steps}); aborting")
         return grad_norm
 
     def step(self, reward_names: list[str]) -> dict[str, float]:
@@ -297,6 +292,11 @@ class Trainer:
             self.metrics.reduce(self.data_group)
         norms, self.grad_norms = self.grad_norms, []
         finite = [n for n in norms if math.isfinite(n)]
+        # --max-bad-steps counts RL steps with a skipped update, whatever M
+        self.bad_steps_in_a_row = self.bad_steps_in_a_row + 1 if len(finite) < len(norms) else 0
+        if self.bad_steps_in_a_row >= self.cfg.max_bad_steps:
+            raise FloatingPointError(f"{self.bad_steps_in_a_row} optimizer steps in a row had a non-finite loss or "
+                                     f"gradient (--max-bad-steps {self.cfg.max_bad_steps}); aborting")
         out = summarize(self.metrics, reward_names)
         out.update(grad_norm=grad_norm, grad_norm_mean=sum(finite) / max(len(finite), 1), updates=len(norms),
                    skipped_step=float(len(finite) < len(norms)), skipped_updates=len(norms) - len(finite),
@@ -330,6 +330,8 @@ class Trainer:
                                           self.cfg.noise_level, prev_sample=batch["next_latents"])
             self.metrics.add("update_kl_sum", (0.5 * (after - before) ** 2 * mask).sum())
             self.metrics.add("update_kl_pairs", mask.sum())
+        if hasattr(self.policy.transformer, "reshard"):  # FSDP2 leaves a root gathered after a forward
+            self.policy.transformer.reshard()  # without backward: free it, or a whole copy stays alive
 
     def all_reduce_gradients(self) -> None:
         """Compute plane: one flat all-reduce (sum) of every gradient, on the policy device, main thread.

@@ -175,7 +175,8 @@ def poisoning_seed() -> int:
 
 TINY = ["--nproc", "2", "--steps", str(STEPS), "--prompts-per-step", str(PROMPTS_PER_STEP), "--group-size", "3",
         "--num-steps", "3", "--eval-every", "0", "--save-every", "1", "--keep-checkpoints", str(STEPS),
-        "--timeout-s", "60", "--no-trace"]  # --no-trace: the timeline PNG costs seconds and is not tested here
+        "--timeout-s", "60", "--no-trace",  # --no-trace: the timeline PNG costs seconds and is not tested here
+        "--updates-per-batch", "1"]  # one update per step: the poisoned step is skipped whole, bit for bit
 
 
 @pytest.fixture(scope="module")

@@ -246,9 +246,10 @@ def test_torchrun_with_one_process_runs_colocated_and_learns_as_one_rank_does(ti
     assert json.loads((tmp_path / "tr" / "config.json").read_text())["mode"] == "colocated"
     run_main(["--model", "flux", "--nproc", "1", *args, "--run-name", "one"], tmp_path, tiny_cache)
     ours, ref = read_metrics(tmp_path / "tr"), read_metrics(tmp_path / "one")
-    assert len(ours) == 3 and all(r["grad_norm"] > 0 for r in ours)
+    # grad_norm_mean: at lr 3e-2 the step's second update may find every pair clipped (its gradient exactly 0)
+    assert len(ours) == 3 and all(r["grad_norm_mean"] > 0 for r in ours)
     for row, want in zip(ours, ref):
-        for key in ("reward_mean", "loss", "grad_norm"):
+        for key in ("reward_mean", "loss", "grad_norm", "grad_norm_mean"):
             assert row[key] == pytest.approx(want[key], rel=1e-5, abs=1e-9), key
 
 

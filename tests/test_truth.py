@@ -246,6 +246,6 @@ def test_the_fragment_and_the_trainers_log_probs_are_what_an_independent_sampler
         # the trainer's side of the on-policy ratio: its log-probs of the recorded pairs, one forward for all
         pairs = [(i, k) for k in range(t_train)]
         with torch.no_grad():
-            _, _, trained = trainer.pair_loss(tsp.gather_pairs(fragment, pairs), torch.ones(t_train), stale=False)
+            _, _, trained = trainer.pair_loss(tsp.gather_pairs(fragment, pairs), torch.ones(t_train), recorded=False)
         want = torch.stack([truth[t][2] for t in fragment.timestep_index[i].tolist()])
         torch.testing.assert_close(trained, want, rtol=1e-4, atol=1e-4)

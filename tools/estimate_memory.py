@@ -247,7 +247,7 @@ def trainer_peak(model: str, config: dict, args, compute_group) -> dict:
     after_step = None
     with tracker, _allocator_peak(args.device) as allocator:
         for _ in range(2):  # the second pack runs with the AdamW state the first step created
-            loss, _, _ = trainer.pair_loss(batch, weights, stale=False)
+            loss, _, _ = trainer.pair_loss(batch, weights, recorded=False)
             loss.backward()
             del loss
             trainer.all_reduce_gradients()
