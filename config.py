@@ -221,6 +221,11 @@ class Config:
     eval_seeds: Optional[int] = field(None, "evaluation samples per prompt (the same held-out noises for every "
                                       "prompt): more = a steadier eval_reward and wider eval grids, more time per "
                                       "evaluation; unset = 8 for the tiny pipelines, 1 with --pretrained")
+    eval_num_steps: Optional[int] = field(None, "denoising steps T of each evaluation sample (Flow-GRPO's "
+                                          "sample.eval_num_steps): more = the score of finer final images, more "
+                                          "time per evaluation; unset = --num-steps")
+    eval_guidance: Optional[float] = field(None, "guidance of evaluation samples (Flow-GRPO's "
+                                           "sample.guidance_scale at eval); unset = --guidance (the training one)")
     save_every: int = field(50, "checkpoint every N steps (0 = only at the end)")
     keep_checkpoints: int = field(2, "keep the last N checkpoints")
     resume: Optional[str] = field(None, "run directory to resume from its last checkpoint")
@@ -403,6 +408,10 @@ def _check_numbers(c: Config) -> None:
              f"whole groups), got {c.updates_per_batch}")
     if c.prompt_cache_size < 0:
         _bad(f"--prompt-cache-size must be >= 0 (0 = no cache), got {c.prompt_cache_size}")
+    if c.eval_num_steps is not None and c.eval_num_steps < 1:
+        _bad(f"--eval-num-steps {c.eval_num_steps} must be >= 1 (or unset: --num-steps)")
+    if c.eval_guidance is not None and not c.eval_guidance >= 0:
+        _bad(f"--eval-guidance {c.eval_guidance} must be >= 0 (or unset: the training guidance)")
     if c.beta < 0 or c.max_stale_fragments < 0 or c.eval_every < 0 or c.save_every < 0 or c.max_bad_steps < 1:
         _bad("--beta, --max-stale-fragments, --eval-every and --save-every must be >= 0 and --max-bad-steps >= 1")
 

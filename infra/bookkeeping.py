@@ -10,6 +10,7 @@ collectives, so every trainer takes part in them.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -36,10 +37,11 @@ class Bookkeeping:
         self.run_dir = rundir.open_run_dir(cfg, steps) if leader else None
         self.bar = _progress_bar(cfg, steps) if leader and cfg.progress else None
         n_eval = cfg.eval_prompts or len(source.train)  # training prompts on held-out noises, then held-out prompts
-        self.evaluator = Evaluator(source.train[:n_eval], source.eval, sampling, score, cfg.eval_seeds,
+        eval_sampling = dataclasses.replace(sampling, num_steps=cfg.eval_num_steps or sampling.num_steps)
+        self.evaluator = Evaluator(source.train[:n_eval], source.eval, eval_sampling, score, cfg.eval_seeds,
                                    self.run_dir.path if leader else None, metadata=source.train_metadata[:n_eval],
                                    heldout_metadata=source.eval_metadata,
-                                   on_images=self._log_eval_media if leader else None)
+                                   on_images=self._log_eval_media if leader else None, guidance=cfg.eval_guidance)
         self.evaluates = cfg.eval_every and (leader or cfg.fsdp)  # under FSDP evaluation is a collective
         self.initial_eval: dict = {}  # the starting policy: logged in the first row as eval_reward_initial, ...
         self.forget: list[Callable[[int], None]] = []

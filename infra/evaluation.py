@@ -27,9 +27,12 @@ GRID_SCALE = 2  # tiny 32 px samples are drawn at 64 px in the grids
 class Evaluator:
     def __init__(self, prompts: list[str], heldout_prompts: list[str] | None, sampling, reward_fn,
                  seeds_per_prompt: int, run_path: str | None, writer: bool = True,
-                 metadata: list[dict] | None = None, heldout_metadata: list[dict] | None = None, on_images=None):
+                 metadata: list[dict] | None = None, heldout_metadata: list[dict] | None = None, on_images=None,
+                 guidance: float | None = None):
         """metadata / heldout_metadata: one dataset row per prompt, for rewards that read it (infra/prompts.py).
-        on_images(updates, images, captions, rewards): the writer's extra sink (RunDir.log_eval_media)."""
+        on_images(updates, images, captions, rewards): the writer's extra sink (RunDir.log_eval_media).
+        guidance: the evaluation's (--eval-guidance), set on the policy while it evaluates; None = the policy's."""
+        self.guidance = guidance
         self.prompts, self.heldout = list(prompts), list(heldout_prompts or [])
         if metadata is not None:
             metadata = list(metadata) + list(heldout_metadata or [{}] * len(self.heldout))
@@ -41,8 +44,13 @@ class Evaluator:
     def __call__(self, policy, updates: int) -> dict[str, float]:
         from rollout import evaluate
 
-        scores, images = evaluate(policy, self.prompts + self.heldout, self.sampling, self.reward_fn,
-                                  seeds_per_prompt=self.seeds, metadata=self.metadata)
+        training_guidance = policy.guidance
+        policy.guidance = training_guidance if self.guidance is None else self.guidance
+        try:
+            scores, images = evaluate(policy, self.prompts + self.heldout, self.sampling, self.reward_fn,
+                                      seeds_per_prompt=self.seeds, metadata=self.metadata)
+        finally:
+            policy.guidance = training_guidance
         rewards = scores["total"].float()  # [(P + P_heldout) S]
         n_train = len(self.prompts) * self.seeds
         metrics = {"eval_reward": float(rewards[:n_train].mean())}

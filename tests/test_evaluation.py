@@ -90,3 +90,34 @@ def test_reward_curve_points_and_legend(tmp_path):
     named = rundir.plot_reward_curves({"sync": rows, "async": rows}, str(tmp_path / "two.png"), eval_too=True)
     assert named[0] == "sync: train reward (mean of the step's samples)" and len(named) == 6
     assert (tmp_path / "curve.png").stat().st_size > 1000
+
+
+def test_evaluation_settings_apart_from_training(policy, monkeypatch):
+    """Catches --eval-guidance ignored or leaking into training (issue 24): the evaluator sets it on the policy
+    only while it samples, and --eval-num-steps reaches the evaluation's sampler while training keeps --num-steps."""
+    import types
+
+    import config
+    import main
+    from infra.bookkeeping import Bookkeeping
+
+    seen = []
+    velocity = policy.velocity
+    monkeypatch.setattr(policy, "velocity", lambda *a, **k: (seen.append(policy.guidance), velocity(*a, **k))[1])
+    training = policy.guidance
+    Evaluator(TRAIN[:1], None, SamplingConfig(num_steps=2), rewards.build_reward("color"), 1, None,
+              guidance=training + 2.5)(policy, 0)
+    assert seen == [training + 2.5] * 2 and policy.guidance == training
+    seen.clear()
+    Evaluator(TRAIN[:1], None, SamplingConfig(num_steps=2), rewards.build_reward("color"), 1, None)(policy, 0)
+    assert seen == [training] * 2
+
+    cfg = config.Config(eval_num_steps=5, eval_guidance=1.5)
+    source = types.SimpleNamespace(train=TRAIN, eval=HELDOUT, train_metadata=[{}] * 3, eval_metadata=[{}] * 3)
+    books = Bookkeeping(cfg, range(1), None, policy, source, SamplingConfig(num_steps=3), None, ["total"], None,
+                        None, leader=False)
+    assert books.evaluator.sampling.num_steps == 5 and books.evaluator.guidance == 1.5
+    for bad, match in ((["--eval-num-steps", "0"], "--eval-num-steps 0 must be >= 1"),
+                       (["--eval-guidance", "-1"], "--eval-guidance -1.0 must be >= 0")):
+        with pytest.raises(ValueError, match=match):
+            main.prepare(bad)
