@@ -221,6 +221,13 @@ class Config:
     eval_seeds: Optional[int] = field(None, "evaluation samples per prompt (the same held-out noises for every "
                                       "prompt): more = a steadier eval_reward and wider eval grids, more time per "
                                       "evaluation; unset = 8 for the tiny pipelines, 1 with --pretrained")
+    ema: bool = field(False, "evaluate (and save beside the weights) an exponential moving average of the trained "
+                            "weights (Flow-GRPO's train.ema): smoother evaluation of a noisy policy, one more copy "
+                            "of the trainable weights per trainer; sampling always uses the trained weights")
+    ema_decay: float = field(0.9, "the EMA's decay (Flow-GRPO 0.9, warmed up as min((1+u)/(10+u), decay)): higher "
+                                  "= a longer average, slower to follow the policy")
+    ema_every: int = field(8, "EMA update every N optimizer updates (Flow-GRPO's update_step_interval 8): fewer "
+                              "= cheaper, a coarser average")
     eval_num_steps: Optional[int] = field(None, "denoising steps T of each evaluation sample (Flow-GRPO's "
                                           "sample.eval_num_steps): more = the score of finer final images, more "
                                           "time per evaluation; unset = --num-steps")
@@ -408,6 +415,8 @@ def _check_numbers(c: Config) -> None:
              f"whole groups), got {c.updates_per_batch}")
     if c.prompt_cache_size < 0:
         _bad(f"--prompt-cache-size must be >= 0 (0 = no cache), got {c.prompt_cache_size}")
+    if not 0 <= c.ema_decay < 1 or c.ema_every < 1:
+        _bad(f"--ema-decay {c.ema_decay} must be in [0, 1) and --ema-every {c.ema_every} >= 1")
     if c.eval_num_steps is not None and c.eval_num_steps < 1:
         _bad(f"--eval-num-steps {c.eval_num_steps} must be >= 1 (or unset: --num-steps)")
     if c.eval_guidance is not None and not c.eval_guidance >= 0:

@@ -21,6 +21,7 @@ from typing import ContextManager
 import torch
 import torch.distributed as dist
 
+import ema as ema_lib
 import gap
 import grpo
 import models
@@ -43,6 +44,9 @@ class TrainConfig:
     max_bad_steps: int = 3
     optimizer: str = "adamw"  # or "sgd": plain gradient descent, the update is exactly -lr x gradient
     collapsed_std: float = 0.0  # a group whose rewards' std is <= this has collapsed (the metric)
+    ema: bool = False  # an EMA of the trained weights for evaluation (ema.py)
+    ema_decay: float = 0.9
+    ema_every: int = 8
 
     @staticmethod
     def of(cfg) -> "TrainConfig":
@@ -50,7 +54,8 @@ class TrainConfig:
         return TrainConfig(lr=cfg.lr, weight_decay=cfg.weight_decay, clip_range=cfg.clip_range,
                            max_grad_norm=cfg.max_grad_norm, beta=cfg.beta, noise_level=cfg.noise_level,
                            algo=cfg.algo, max_bad_steps=cfg.max_bad_steps, optimizer=cfg.optimizer,
-                           collapsed_std=cfg.collapsed_std)
+                           collapsed_std=cfg.collapsed_std, ema=cfg.ema, ema_decay=cfg.ema_decay,
+                           ema_every=cfg.ema_every)
 
 
 class MetricSums:
@@ -110,6 +115,8 @@ class Trainer:
         self.nonfinite_loss = False  # a pack since the last update had a non-finite loss
         self.grad_norms: list[float] = []  # this RL step's updates (global norms: the same on every trainer)
         self.bad_steps_in_a_row = 0
+        self.updates_total = 0  # optimizer updates over the run (the EMA's u)
+        self.ema = ema_lib.Ema(self.params, cfg.ema_decay, cfg.ema_every) if cfg.ema else None
         self.metrics = MetricSums()
 
     def current_version(self) -> int:
@@ -130,17 +137,28 @@ class Trainer:
             with torch.no_grad():
                 yield p.full_tensor() if _is_sharded(p) else p.detach()
 
+    def evaluation_weights(self) -> ContextManager:
+        """The weights evaluation uses: the EMA's (--ema) swapped in for the block, else the trained ones."""
+        return self.ema.swapped_in(self.params) if self.ema is not None else contextlib.nullcontext()
+
+    def _gathered(self, tensors: list[torch.Tensor], keep: bool) -> dict[str, torch.Tensor]:
+        """name -> whole CPU tensor (FSDP shards gathered one at a time; kept only where `keep`)."""
+        out = {}
+        for name, t in zip(self.names, tensors):
+            with torch.no_grad():
+                whole = t.full_tensor() if _is_sharded(t) else t.detach()
+            if keep:
+                out[name] = whole.to("cpu")
+            del whole
+            self._bump()
+        return out
+
     def checkpoint_state(self, keep: bool = True) -> dict | None:
         """{"weights": name -> CPU tensor, "optimizer": state dict with whole CPU tensors}: the same format
         sharded or not. Gathered one tensor at a time; only a rank with `keep` (the leader, which writes
         the file) holds the result, so the others never hold more than one whole tensor beyond their shard."""
-        weights, gathered = {}, self.iter_full_weights()
-        for name in self.names:  # not zip/enumerate: their reused result tuple would keep the last tensor alive
-            whole = next(gathered)
-            if keep:
-                weights[name] = whole.to("cpu")
-            del whole
-            self._bump()
+        weights = self._gathered(self.params, keep)
+        shadow = self._gathered(self.ema.shadow, keep) if self.ema is not None else None
         optimizer = self.optimizer.state_dict()
         state = {}
         for i, entry in optimizer["state"].items():
@@ -154,7 +172,8 @@ class Trainer:
         if not keep:
             return None
         optimizer["state"] = state
-        return {"weights": weights, "optimizer": optimizer, "bad_steps_in_a_row": self.bad_steps_in_a_row}
+        return {"weights": weights, "optimizer": optimizer, "bad_steps_in_a_row": self.bad_steps_in_a_row,
+                "updates_total": self.updates_total, **({"ema": shadow} if shadow is not None else {})}
 
     def load_checkpoint_state(self, state: dict) -> None:
         """Inverse of checkpoint_state; re-shards whole tensors onto this rank's FSDP shards when sharded."""
@@ -166,6 +185,11 @@ class Trainer:
                               for i, s in optimizer["state"].items()}
         self.optimizer.load_state_dict(optimizer)
         self.bad_steps_in_a_row = state.get("bad_steps_in_a_row", 0)  # --max-bad-steps counts across a resume
+        self.updates_total = state.get("updates_total", 0)
+        if self.ema is not None:  # a checkpoint without an EMA (--ema turned on at resume) starts it here
+            with torch.no_grad():
+                for name, shadow, p in zip(self.names, self.ema.shadow, self.params):
+                    shadow.copy_(_like(state["ema"][name], p) if "ema" in state else p.detach())
 
     # --- one pack of pairs -------------------------------------------------------------------
     def pair_loss(self, batch, weights: torch.Tensor, recorded: torch.Tensor | bool):
@@ -280,6 +304,9 @@ class Trainer:
             self.optimizer.step()
         # else skip: weights and optimizer state stay as they were
         self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.update(self.params, self.updates_total)
+        self.updates_total += 1
         self.updates_in_step += 1
         self.grad_norms.append(grad_norm if finite else math.nan)
         self._score_probe()

@@ -59,7 +59,7 @@ class Bookkeeping:
 
     def evaluate_initial(self) -> None:
         if self.evaluates:
-            with self.tracer.span("eval", step=self.steps.start):
+            with self.tracer.span("eval", step=self.steps.start), self.trainer.evaluation_weights():
                 scores = self.evaluator(self.policy, self.steps.start)
             self.initial_eval = {f"{k}_initial": v for k, v in scores.items()}
 
@@ -97,7 +97,7 @@ class Bookkeeping:
     def _record(self, step: int, metrics: dict) -> None:
         cfg, state = self.cfg, None
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
-            with self.tracer.span("eval", step=step):
+            with self.tracer.span("eval", step=step), self.trainer.evaluation_weights():  # --ema: its weights
                 metrics.update(self.evaluator(self.policy, step + 1))  # eval_reward, ..._heldout_prompts; grids
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps or self.stop_agreed:
             with self.tracer.span("checkpoint", step=step):

@@ -22,8 +22,8 @@ import sys
 SAFE_ON_RESUME = ("steps", "eval_every", "save_every", "keep_checkpoints", "timeout_s", "progress", "trace",
                   "tensorboard", "wandb", "wandb_project", "wandb_name", "threads", "nproc", "rollout_ranks",
                   "max_stale_fragments", "fsdp", "tsp_pack", "grad_ckpt", "max_bad_steps", "remote_url",
-                  "remote_timeout_s", "remote_retries", "remote_batch_size", "eval_prompts", "eval_num_steps", "eval_guidance", "cache_dir",
-                  "out_dir", "run_name")
+                  "remote_timeout_s", "remote_retries", "remote_batch_size", "eval_prompts", "eval_num_steps",
+                  "eval_guidance", "ema", "ema_decay", "ema_every", "cache_dir", "out_dir", "run_name")
 IDENTITY = ("model", "pretrained", "lora", "lora_rank", "lora_alpha", "lora_targets")  # as infra.rundir.IDENTITY_FIELDS
 NOT_SAVED = ("resume", "config")  # describe the invocation, not the run
 _UNSET = object()
