@@ -42,6 +42,10 @@ class Config:
     reward: str = field("color", "reward spec, name=weight list, e.g. color=1.0,jpeg_compressibility=0.1, or my.py:fn "
                         "(fn(images, prompts[, metadata]) -> scores | (scores, info))")
     clip_path: Optional[str] = field(None, "local CLIP directory for the clip_score reward")
+    pickscore_path: Optional[str] = field(None, "local PickScore_v1 CLIPModel directory for the pickscore reward "
+                                          "(Flow-GRPO's: logit / 26)")
+    pickscore_processor_path: Optional[str] = field(None, "local CLIPProcessor directory for pickscore "
+                                                    "(Flow-GRPO loads CLIP-ViT-H-14's); unset = --pickscore-path")
     remote_url: Optional[str] = field(None, "http(s) URL of a reward server for the remote reward; several remote "
                                       "rewards (--reward remote:geneval=1,remote:deqa=0.5): NAME=URL,NAME=URL. Each "
                                       "server gets one check request before any rank starts")
@@ -132,6 +136,11 @@ class Config:
     guidance: Optional[float] = field(None, "embedded guidance (FLUX, HunyuanVideo) or true-CFG scale "
                                       "(Qwen-Image, Wan); unset = the published setting with --pretrained "
                                       "(presets.py), the family default for the tiny pipelines")
+    train_cfg: bool = field(True, "the training forward runs classifier-free guidance as the rollout did "
+                            "(Flow-GRPO's train.cfg); --no-train-cfg scores the conditional branch alone: "
+                            "half the training FLOPs of a true-CFG family, but pairs scored against the rollout's "
+                            "recorded log-prob (later minibatches, stale pairs) start with a ratio off 1, "
+                            "since they were sampled with CFG (only for sd3, qwenimage, wan)")
     text_len: int = field(512, "max text tokens (capped by the tokenizer); longer = slower text encoding, more memory")
     prompt_cache_size: int = field(64, "distinct prompts whose text embeddings stay cached on the device (least "
                                    "recently used evicted first): more = fewer text-encoder passes when prompts "
@@ -473,6 +482,9 @@ def _check_model(c: Config, family) -> None:
         lora.check_init_lora(c.init_lora, c.lora, c.lora_rank, c.lora_alpha, family, path, c.lora_targets)
     if c.resolution and (c.resolution < 16 or c.resolution % 16):
         _bad(f"--resolution must be a multiple of 16 (>= 16), got {c.resolution}")
+    if not c.train_cfg and not family.uses_true_cfg:
+        _bad(f"--no-train-cfg: {c.model} is guidance-distilled (one branch, guidance embedded), so there is "
+             "no CFG to drop in training; it applies to sd3, qwenimage and wan")
     if c.width and (c.width < 16 or c.width % 16):
         _bad(f"--width must be a multiple of 16 (>= 16), got {c.width}")
     if c.width and c.width != (c.resolution or family.tiny_resolution) and not family.is_video:
@@ -545,7 +557,8 @@ def _check_inputs(c: Config, family, world_size: int) -> None:
 
 def reward_options(c: Config):
     import rewards
-    return rewards.RewardOptions(clip_path=c.clip_path, remote_url=c.remote_url, remote_timeout_s=c.remote_timeout_s,
+    return rewards.RewardOptions(clip_path=c.clip_path, pickscore_path=c.pickscore_path,
+                                 pickscore_processor_path=c.pickscore_processor_path, remote_url=c.remote_url, remote_timeout_s=c.remote_timeout_s,
                                  remote_retries=c.remote_retries, remote_protocol=c.remote_protocol,
                                  remote_score_key=c.remote_score_key, remote_batch_size=c.remote_batch_size,
                                  remote_frames=c.remote_frames)

@@ -47,6 +47,7 @@ class TrainConfig:
     ema: bool = False  # an EMA of the trained weights for evaluation (ema.py)
     ema_decay: float = 0.9
     ema_every: int = 8
+    train_cfg: bool = True  # the training forward runs CFG as the rollout did (Flow-GRPO's train.cfg)
 
     @staticmethod
     def of(cfg) -> "TrainConfig":
@@ -55,7 +56,7 @@ class TrainConfig:
                            max_grad_norm=cfg.max_grad_norm, beta=cfg.beta, noise_level=cfg.noise_level,
                            algo=cfg.algo, max_bad_steps=cfg.max_bad_steps, optimizer=cfg.optimizer,
                            collapsed_std=cfg.collapsed_std, ema=cfg.ema, ema_decay=cfg.ema_decay,
-                           ema_every=cfg.ema_every)
+                           ema_every=cfg.ema_every, train_cfg=cfg.train_cfg)
 
 
 class MetricSums:
@@ -196,7 +197,7 @@ class Trainer:
         """Loss of packed pairs (per-sample timesteps in one forward), weighted; returns (loss, stats, logp).
         `recorded` [p]: which pairs' ratio is against the rollout's log-prob (tcss.behaviour_log_prob)."""
         policy = self.policy
-        v = policy.velocity(batch["latents"], batch["sigma"], batch["cond"])  # [p, ...] float32
+        v = policy.velocity(batch["latents"], batch["sigma"], batch["cond"], cfg=self.cfg.train_cfg)  # [p, ...]
         _, logp, mean, std = self.step_fn(v, batch["latents"], batch["sigma"], batch["sigma_next"],
                                           self.cfg.noise_level, prev_sample=batch["next_latents"])
         old = tcss.behaviour_log_prob(logp, batch["old_log_prob"], recorded)  # TCSS's stale-pair rule
@@ -204,7 +205,8 @@ class Trainer:
         loss, stats = grpo.policy_loss(logp, old, adv, self.cfg.clip_range, weights)
         if self.cfg.beta > 0:
             with torch.no_grad(), policy.reference() as ref:
-                v_ref = policy.velocity(batch["latents"], batch["sigma"], batch["cond"], transformer=ref)
+                v_ref = policy.velocity(batch["latents"], batch["sigma"], batch["cond"], transformer=ref,
+                                        cfg=self.cfg.train_cfg)
                 _, _, ref_mean, _ = self.step_fn(v_ref, batch["latents"], batch["sigma"], batch["sigma_next"],
                                                  self.cfg.noise_level, prev_sample=batch["next_latents"])
             kl = grpo.kl_loss(mean, ref_mean, std)  # [p]
@@ -352,7 +354,8 @@ class Trainer:
         batch, before, mask = self.probe
         self.probe = None
         with torch.no_grad():
-            v = self.policy.velocity(batch["latents"], batch["sigma"], batch["cond"])  # [p, ...]
+            v = self.policy.velocity(batch["latents"], batch["sigma"], batch["cond"],
+                                     cfg=self.cfg.train_cfg)  # [p, ...]
             _, after, _, _ = self.step_fn(v, batch["latents"], batch["sigma"], batch["sigma_next"],
                                           self.cfg.noise_level, prev_sample=batch["next_latents"])
             self.metrics.add("update_kl_sum", (0.5 * (after - before) ** 2 * mask).sum())

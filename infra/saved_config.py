@@ -46,7 +46,7 @@ def read_saved(path: str, config_cls) -> dict:
     if not isinstance(saved, dict):
         raise ValueError(f"{path!r} is not a saved configuration (a JSON object of Config fields)")
     names = {f.name for f in dataclasses.fields(config_cls)}
-    saved = renamed_fields(saved)
+    saved = renamed_fields({k: v for k, v in saved.items() if not k.startswith("_")})  # "_comment" keys: notes
     unknown = sorted(set(saved) - names)
     if unknown:
         print(f"[digenrl] {path}: ignoring fields this version does not have: {', '.join(unknown)}", file=sys.stderr)

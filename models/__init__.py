@@ -124,11 +124,12 @@ class Policy:
     def sigmas(self, num_steps: int) -> torch.Tensor:
         return self.family.sigmas(self.pipe, num_steps, self.height, self.width, self.frames)
 
-    def velocity(self, latents, sigma, cond, transformer=None) -> torch.Tensor:
-        """v(latents, sigma | cond) in float32 [B, ...]; sigma is per-sample [B]."""
+    def velocity(self, latents, sigma, cond, transformer=None, cfg: bool = True) -> torch.Tensor:
+        """v(latents, sigma | cond) in float32 [B, ...]; sigma is per-sample [B]. cfg=False scores the
+        conditional branch alone (Flow-GRPO's train.cfg = False; true-CFG families only)."""
         transformer = transformer if transformer is not None else self.transformer
         cond = {k: v.to(self.device, self.dtype) for k, v in cond.items()}
-        neg = None if self.negative_cond is None else {
+        neg = None if self.negative_cond is None or not cfg else {
             k: v.to(self.device, self.dtype) for k, v in self.negative_cond.items()}
         amp = torch.autocast(self.device.type, dtype=self.dtype) if self.autocast else contextlib.nullcontext()
         with amp:  # fp32 master weights: matmuls run in the policy dtype, as on the rollout ranks

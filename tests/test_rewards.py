@@ -160,6 +160,55 @@ def test_clip_score_is_clips_cosine_of_each_image_with_its_own_prompt(tiny_clip_
     torch.testing.assert_close(clip_score(video, prompts), scores)
 
 
+def flow_grpo_pickscore(model_path, processor_path, images, prompts) -> torch.Tensor:
+    """Flow-GRPO's PickScoreScorer.__call__ (flow_grpo/pickscore_scorer.py), re-typed: the processor at
+    max_length 77, image and text features L2-normalised, logit_scale.exp() * (text @ image.T), its diagonal, / 26.
+    (Its get_*_features calls are written as their towers and projections: transformers 5 changed their return.)"""
+    from transformers import CLIPModel, CLIPProcessor
+
+    model, processor = CLIPModel.from_pretrained(model_path).eval(), CLIPProcessor.from_pretrained(processor_path)
+    pil = [Image.fromarray((im.clamp(0, 1) * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()) for im in images]
+    image_inputs = processor(images=pil, padding=True, truncation=True, max_length=77, return_tensors="pt")
+    text_inputs = processor(text=prompts, padding=True, truncation=True, max_length=77, return_tensors="pt")
+    with torch.no_grad():
+        image_embs = model.visual_projection(model.vision_model(pixel_values=image_inputs["pixel_values"]).pooler_output)
+        image_embs = image_embs / image_embs.norm(p=2, dim=-1, keepdim=True)
+        text_embs = model.text_projection(model.text_model(**text_inputs).pooler_output)
+        text_embs = text_embs / text_embs.norm(p=2, dim=-1, keepdim=True)
+        scores = model.logit_scale.exp() * (text_embs @ image_embs.T)
+    return scores.diag() / 26
+
+
+def test_pickscore_is_flow_grpos_scaled_logit_of_each_image_with_its_prompt(tiny_clip_path, tmp_path):
+    """Outside truth: Flow-GRPO's own PickScore computation (re-typed above) on the same images and prompts, with
+    two different prompts (a pairing bug fails), and a logit scale that is not CLIP's init (a missing exp, a
+    missing / 26 or a plain cosine fails). The processor may live apart from the model (Flow-GRPO loads
+    CLIP-ViT-H-14's processor and PickScore_v1's weights); a missing path is refused naming the flag."""
+    import math
+    import shutil
+
+    from transformers import CLIPModel
+    model_dir, processor_dir = tmp_path / "pickscore_v1", tmp_path / "clip_h14"
+    model = CLIPModel.from_pretrained(tiny_clip_path)
+    with torch.no_grad():
+        model.logit_scale.fill_(math.log(90.0))
+    model.save_pretrained(model_dir)
+    shutil.copytree(tiny_clip_path, processor_dir)
+    generator = torch.Generator().manual_seed(0)
+    images = torch.stack([RED, torch.rand(3, 16, 16, generator=generator)])
+    prompts = ["a red image", "a blue image"]
+    pickscore = REWARDS["pickscore"](pickscore_path=str(model_dir), pickscore_processor_path=str(processor_dir))
+    scores = pickscore(images, prompts)
+    assert scores.shape == (2,) and scores.dtype == torch.float32
+    torch.testing.assert_close(scores, flow_grpo_pickscore(str(model_dir), str(processor_dir), images, prompts), rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(scores, flow_grpo_pickscore(str(model_dir), str(processor_dir), images, prompts[::-1]), atol=1e-3)
+    with pytest.raises(ValueError, match="--pickscore-path"):
+        REWARDS["pickscore"]()
+    with pytest.raises(FileNotFoundError, match="--pickscore-processor-path .*no_such"):
+        build_reward("pickscore", RewardOptions(pickscore_path=str(model_dir),
+                                                pickscore_processor_path=str(tmp_path / "no_such")))
+
+
 def test_clip_score_needs_an_existing_path(tmp_path):
     with pytest.raises(ValueError, match="--clip-path"):
         REWARDS["clip_score"]()

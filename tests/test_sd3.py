@@ -190,3 +190,59 @@ def test_pretrained_sd35_layout_selects_the_family_and_its_preset(sd3_path, tmp_
     shutil.rmtree(broken / "text_encoder_3")
     with pytest.raises(FileNotFoundError, match="'text_encoder_3'"):
         models.load("sd3", str(broken))
+
+
+def test_no_train_cfg_scores_the_conditional_branch_alone(sd3_path):
+    """Flow-GRPO's train.cfg = False: the training forward is the conditional branch alone, i.e. the pipeline's
+    velocity with CFG off (guidance 1: do_classifier_free_guidance is False), while sampling keeps CFG. With
+    --no-train-cfg the trainer's pair loss scores recorded pairs under that velocity: its log-prob is the
+    SDE log-prob of the conditional-only velocity, and differs from the CFG one. Catches the flag not reaching
+    the trainer, or cfg=False still running the unconditional branch."""
+    policy = models.load("sd3", sd3_path)
+    policy.guidance = 4.5
+    sigmas = policy.sigmas(4)
+    cond = policy.encode_prompts(["a red image", "a blue image"])
+    x = torch.stack([policy.noise(torch.Generator().manual_seed(s)) for s in (0, 1)])  # [2, C, h, w]
+    with torch.no_grad():
+        guided = policy.velocity(x, sigmas[1].expand(2), cond)
+        alone = policy.velocity(x, sigmas[1].expand(2), cond, cfg=False)
+        policy.guidance = 1.0  # the pipeline without CFG: the conditional branch
+        plain = policy.velocity(x, sigmas[1].expand(2), cond)
+        policy.guidance = 4.5
+    torch.testing.assert_close(alone, plain, rtol=0, atol=0)
+    assert (alone - guided).abs().max() > 1e-3
+
+    from tsp import gather_pairs
+    from trainer import Trainer, TrainConfig
+    prompts = rewards.color_prompts("train")
+    spec = gap.fragment_spec(seed=0, step=0, first_group=0, num_groups=1, num_prompts_total=len(prompts),
+                             groups_per_step=1, group_size=2)
+    fragment = generate_fragment(policy, spec, prompts, SamplingConfig(num_steps=4, noise_level=0.7),
+                                 rewards.build_reward("color"), version=0, producer=0)
+    batch = gather_pairs(fragment, [(0, 1), (1, 2)])
+    policy.transformer.requires_grad_(True)  # full fine-tuning, as the tiny runs train
+    weights = torch.full((2,), 0.5)
+    for train_cfg, guidance in ((True, 4.5), (False, 1.0)):
+        cfg = config.resolve(config.parse_args(["--model", "sd3", "--noise-level", "0.7"] +
+                                               ([] if train_cfg else ["--no-train-cfg"])))
+        trainer = Trainer(policy, TrainConfig.of(cfg))
+        assert trainer.cfg.train_cfg is train_cfg
+        _, _, logp = trainer.pair_loss(batch, weights, recorded=True)
+        policy.guidance = guidance
+        with torch.no_grad():
+            v = policy.velocity(batch["latents"], batch["sigma"], batch["cond"])
+        policy.guidance = 4.5
+        _, expected, _, _ = grpo.sde_step_with_logprob(v, batch["latents"], batch["sigma"], batch["sigma_next"], 0.7,
+                                                       prev_sample=batch["next_latents"])
+        torch.testing.assert_close(logp, expected, rtol=1e-5, atol=1e-5)
+        if train_cfg:  # CFG in training too: the recorded log-probs are reproduced (ratio 1 on-policy)
+            torch.testing.assert_close(logp, batch["old_log_prob"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("model", ["flux", "hunyuanvideo"])
+def test_no_train_cfg_is_refused_for_guidance_distilled_families(model, tiny_cache):
+    """FLUX and HunyuanVideo embed guidance (one branch): --no-train-cfg has nothing to drop and is refused before
+    any rank starts, naming the flag and the families it applies to."""
+    cfg = config.resolve(config.parse_args(["--model", model, "--no-train-cfg"]))
+    with pytest.raises(ValueError, match="--no-train-cfg: .*guidance-distilled.*sd3, qwenimage and wan"):
+        config.validate(cfg, 2)
