@@ -11,6 +11,7 @@ import config
 import models
 import presets
 from infra import lifeline, rundir
+from infra.launch import main_module, start_method_for
 from infra.runlock import RunLock, check_new_run
 
 ONE_RANK = ("[digenrl] one rank: running colocated (generate, then train, on this rank); the disaggregated modes "
@@ -97,8 +98,9 @@ def main(argv, run_rank, launch) -> int:
         if cfg.nproc == 1:
             return run_rank(cfg, 0, 1, 0, ("127.0.0.1", 0), agent_store=False)
         role_of = functools.partial(comm.role_of, cfg.placement, cfg.rollout_ranks, world=cfg.nproc)
-        return launch(run_rank, dataclasses.asdict(cfg), cfg.nproc, threads=cfg.threads,
-                      role_of=role_of)
+        preload = tuple(m for m in (main_module(), models.get_family(cfg.model).pipeline_module) if m)
+        return launch(run_rank, dataclasses.asdict(cfg), cfg.nproc, threads=cfg.threads, role_of=role_of,
+                      start_method=start_method_for(cfg.device), preload=preload)
     finally:
         if lock is not None:
             lock.release()

@@ -15,6 +15,8 @@ a rank killed by a signal, else the earliest report.
   step with a checkpoint (infra/preemption.py); the launcher waits for them and exits with their status 75.
   Another signal more than preemption.SAME_REQUEST_S later SIGKILLs the ranks at once.
 - The ranks die with the launcher (infra/lifeline.py): a SIGKILLed launcher leaves no rank behind.
+- CPU ranks are forked from a forkserver that imported torch, diffusers and main.py once (start_method_for,
+  infra/rank_server.py); ranks that may use CUDA are spawned fresh.
 """
 from __future__ import annotations
 
@@ -56,8 +58,24 @@ def open_store(master: tuple, world: int, is_master: bool, timeout_s: float):
                          **extra)
 
 
+def _let_the_forkserver_go() -> None:
+    """A forkserver lives while anyone holds its `alive` pipe, and multiprocessing hands every child a copy: the
+    ranks would keep it (their parent) alive after a SIGKILLed launcher, and their PR_SET_PDEATHSIG would never
+    fire. Closing the rank's copy leaves the launcher the only holder, so the forkserver, then the ranks, end
+    with it. (The ranks start no processes through it.)"""
+    from multiprocessing import forkserver
+    server = forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+
+
 def _entry(target, rank, world, master, payload, failures, threads, launcher_pid):
-    lifeline.die_with_parent(launcher_pid)
+    if os.getppid() == launcher_pid:  # spawned
+        lifeline.die_with_parent(launcher_pid)
+    else:  # forked by the forkserver, which must end with the launcher for the lifeline to hold
+        _let_the_forkserver_go()
+        lifeline.die_with_parent()
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     import faulthandler
     faulthandler.enable()  # a rank that aborts in native code (SIGABRT/SIGSEGV) still prints its Python stack
@@ -124,13 +142,35 @@ def _signal_all(procs, signum: int) -> None:
                 pass  # gone already
 
 
+def start_method_for(device: str) -> str:
+    """"forkserver" for CPU ranks (imports paid once, infra/rank_server.py), "spawn" where ranks may use CUDA: a
+    process forked from one that touched CUDA cannot use it, and a GPU rank's start is minutes of weights anyway."""
+    if device == "cpu":
+        return "forkserver"
+    import torch
+    return "spawn" if device == "cuda" or torch.cuda.is_available() else "forkserver"
+
+
+def main_module() -> str | None:
+    """The name the running script imports as (main.py -> "main"), for a forkserver to preload; None if it cannot."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not path or not path.endswith(".py"):
+        return None
+    folder = os.path.dirname(os.path.abspath(path))
+    on_path = any(os.path.abspath(p or os.getcwd()) == folder for p in sys.path)
+    return os.path.basename(path)[:-3] if on_path else None
+
+
 def launch(target, payload, nproc: int, role_of: Callable[[int], str], threads: int = 1,
-           start_method: str = "spawn") -> int:
+           start_method: str = "spawn", preload: tuple[str, ...] = ()) -> int:
     """Spawn `nproc` ranks running target(payload, rank, world, local_rank, master, agent_store, report_silent);
     returns 0, EXIT_PREEMPTED when they stopped on a signal with a checkpoint, 128 + signal when killed on a
-    second signal, or 1 after printing which rank failed first. `start_method` "fork" only for tests whose ranks
-    should share the launcher's imports (tests/rendezvous_job.py): CUDA needs fresh processes."""
+    second signal, or 1 after printing which rank failed first. `start_method`: "spawn" (fresh processes, as
+    CUDA needs), "forkserver" (CPU: `preload` modules imported once, the ranks forked from that process), or
+    "fork" only for tests whose ranks should share the launcher's imports (tests/rendezvous_job.py)."""
     ctx = multiprocessing.get_context(start_method)
+    if start_method == "forkserver":
+        ctx.set_forkserver_preload(["infra.rank_server", *preload])  # the guard first: SIGTERM ignored throughout
     listener = listening_socket()  # held until rank 0's store serves on it
     master = (HOST, listener.getsockname()[1])
     failures = ctx.SimpleQueue()

@@ -16,6 +16,7 @@ import torch
 class Family:
     name: str = ""
     pipeline_class_name: str = ""  # the diffusers pipeline that loads this family
+    pipeline_module: str = ""  # where it lives: CPU ranks' forkserver imports it once (infra/rank_server.py)
     required_components: tuple[str, ...] = ()  # subfolders a pretrained directory must have
     lora_targets: tuple[str, ...] = ()  # the `attention` preset: attention projections (Flow-GRPO's: models/lora.py)
     uses_true_cfg = False  # Qwen-Image, Wan: conditional and unconditional branches in one batch

@@ -14,6 +14,7 @@ from .tiny_text import clip_tokenizer, t5_tokenizer
 class FluxFamily(Family):
     name = "flux"
     pipeline_class_name = "FluxPipeline"
+    pipeline_module = "diffusers.pipelines.flux.pipeline_flux"
     required_components = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2",
                            "scheduler")
     # The `attention` preset: every attention projection of both streams (and, by suffix, of the single blocks).

@@ -20,6 +20,7 @@ from .tiny_text import clip_tokenizer, llama3_tokenizer
 class HunyuanVideoFamily(Family):
     name = "hunyuanvideo"
     pipeline_class_name = "HunyuanVideoPipeline"
+    pipeline_module = "diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video"
     required_components = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2",
                            "scheduler")
     # Attention projections of the dual-stream blocks (image and text streams) and of the single-stream blocks

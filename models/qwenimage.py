@@ -29,6 +29,7 @@ TEMPLATE_START_IDX = 34  # QwenImagePipeline.prompt_template_encode_start_idx
 class QwenImageFamily(Family):
     name = "qwenimage"
     pipeline_class_name = "QwenImagePipeline"
+    pipeline_module = "diffusers.pipelines.qwenimage.pipeline_qwenimage"
     required_components = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
     # The `attention` preset: every attention projection of the MMDiT blocks, image and text streams. Flow-GRPO's
     # Qwen-Image list also adapts img_mlp / txt_mlp: models/lora.py FLOW_GRPO.

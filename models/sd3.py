@@ -23,6 +23,7 @@ from .tiny_text import clip_tokenizer, t5_tokenizer
 class SD3Family(Family):
     name = "sd3"
     pipeline_class_name = "StableDiffusion3Pipeline"
+    pipeline_module = "diffusers.pipelines.stable_diffusion_3.pipeline_stable_diffusion_3"
     required_components = ("transformer", "vae", "text_encoder", "text_encoder_2", "text_encoder_3", "tokenizer",
                            "tokenizer_2", "tokenizer_3", "scheduler")
     # The `attention` preset: the joint attention of both streams (Flow-GRPO's SD3 list, models/lora.py FLOW_GRPO)

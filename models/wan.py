@@ -20,6 +20,7 @@ from .tiny_text import t5_tokenizer
 class WanFamily(Family):
     name = "wan"
     pipeline_class_name = "WanPipeline"
+    pipeline_module = "diffusers.pipelines.wan.pipeline_wan"
     required_components = ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")
     # Self-attention (attn1) and text cross-attention (attn2) projections of every block (Flow-GRPO's Wan LoRA);
     # the image cross-attention's add_k_proj/add_v_proj exist only in image-to-video checkpoints.

@@ -30,14 +30,15 @@ DEAD_WITHIN_S = 15.0
 
 
 def start(args, name, folder, cache, torchrun: int = 0) -> subprocess.Popen:
-    """main.py in the background (self-spawned, or under torchrun with `torchrun` processes); log in <name>.log."""
+    """main.py in the background (self-spawned, or under torchrun with `torchrun` processes), in its own process
+    group (as a scheduler's job step: os.killpg signals every process of it); log in <name>.log."""
     env = dict(os.environ, DIGENRL_CACHE=cache, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={torchrun}"] \
         if torchrun else [sys.executable]
     cmd = [*launcher, os.path.join(ROOT, "main.py"), *args, "--run-name", name, "--out-dir", str(folder),
            "--no-progress", "--threads", "1"]
     with open(folder / f"{name}.log", "w") as log:
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def log_of(folder, name) -> str:
@@ -152,8 +153,11 @@ def test_sigterm_checkpoints_and_resume_equals_the_uninterrupted_run_colocated(t
 
 
 def test_sigterm_of_a_two_rank_job_then_resume_matches_the_uninterrupted_run(tiny_cache, tmp_path):
-    """SIGTERM to the launcher of a disaggregated job (1 rollout + 1 trainer) stops it after a step with a
-    checkpoint, and --resume reproduces the uninterrupted run. GAP + TSP, the deterministic part of DigenRL: with
+    """SIGTERM to every process of a disaggregated job (1 rollout + 1 trainer), as SLURM's scancel and Kubernetes
+    send it, stops it after a step with a checkpoint, and --resume reproduces the uninterrupted run. The CPU ranks'
+    parent, the launcher's forkserver, gets the signal too and must not die of it (that would SIGKILL the ranks
+    through their lifeline before they checkpoint: infra/rank_server.py); the launcher's SIGTERM test above
+    covers the forwarded signal alone. GAP + TSP, the deterministic part of DigenRL: with
     TAG and TCSS which fragments a trainer generates and which are one version stale depend on timing, so two
     uninterrupted runs already differ (as in tests/test_reliability.py); the test above resumes the full mode."""
     args = ["--placement", "disaggregated", "--gap", "--tsp", "--nproc", "2", *TINY, "--steps", "6",
@@ -163,7 +167,7 @@ def test_sigterm_of_a_two_rank_job_then_resume_matches_the_uninterrupted_run(tin
     run = tmp_path / "stopped"
     try:
         wait_for_rows(proc, run, 1, tmp_path, "stopped")
-        proc.send_signal(signal.SIGTERM)
+        os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(60) == EXIT_PREEMPTED, log_of(tmp_path, "stopped")[-3000:]
         assert reference.wait(180) == 0, log_of(tmp_path, "straight")[-3000:]
     finally:
@@ -265,3 +269,17 @@ def test_an_explicit_disaggregated_mode_on_one_rank_names_the_command(monkeypatc
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     with pytest.raises(ValueError, match="Run: python main.py --mode naive --nproc 2 "):
         main.prepare(["--mode", "naive", "--nproc", "1"])
+
+
+def test_cpu_ranks_are_forked_from_a_forkserver_that_imported_their_pipeline():
+    """CPU ranks start from a forkserver (imports paid once), ranks that may use CUDA fresh (a process forked from
+    one that touched CUDA cannot use it); each family names the module its pipeline class lives in, which the
+    forkserver imports for the ranks (a stale name would only cost time: the import error is swallowed)."""
+    import models
+    from infra.launch import main_module, start_method_for
+    assert start_method_for("cpu") == "forkserver" and start_method_for("cuda") == "spawn"
+    assert start_method_for("auto") == ("spawn" if torch.cuda.is_available() else "forkserver")
+    for name in ("flux", "qwenimage", "wan", "hunyuanvideo", "sd3"):
+        family = models.get_family(name)
+        assert family.pipeline_class().__module__ == family.pipeline_module, name
+    assert main_module() is None  # pytest's __main__ is not a script folder's module
