@@ -59,15 +59,21 @@ def tiny_pipeline_path(name: str, cache_dir: str | None = None) -> str:
     # build_tiny makes changes.
     suffix = "" if variant == "full" else f"-{variant}"
     path = os.path.join(cache_dir or default_cache_dir(), f"tiny-{name}-v3{suffix}")
-    if not os.path.isfile(os.path.join(path, "model_index.json")):
-        tmp = f"{path}.tmp{os.getpid()}"  # build aside, then rename: concurrent ranks never see half a pipeline
-        family.build_tiny(tmp, pretrain_config=pretrain.variant_config(family, variant))
-        try:
-            os.replace(tmp, path)
-        except OSError:  # another process won the race; its copy is complete
-            import shutil
+    if os.path.isfile(os.path.join(path, "model_index.json")):
+        return path
+    import fcntl
 
-            shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(f"{path}.lock", "w") as lock:  # one builder at a time: the others wait, then find it built
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.isfile(os.path.join(path, "model_index.json")):
+            tmp = f"{path}.tmp{os.getpid()}"  # build aside, then rename: no reader ever sees half a pipeline
+            family.build_tiny(tmp, pretrain_config=pretrain.variant_config(family, variant))
+            if os.path.isdir(path):  # a half copy from a builder killed before this lock existed
+                import shutil
+
+                shutil.rmtree(path)
+            os.replace(tmp, path)
     return path
 
 

@@ -150,3 +150,22 @@ def test_the_default_demo_learns_the_colour_task(demo_pipeline, tmp_path):
     evals = [r["eval_reward"] for r in rows if "eval_reward" in r]
     assert abs(rows[0]["eval_reward_initial"]) < 0.05 and len(evals) == 2, rows[0]
     assert evals[-1] > 0.3, evals
+
+
+def test_concurrent_builders_of_a_tiny_pipeline_build_it_once(tmp_path):
+    """Two processes asking for the same uncached tiny pipeline at once (two jobs, or two pytest-xdist workers on
+    one cache) used to build and pre-train it twice, the loser's copy thrown away; the build lock makes one of
+    them build while the other waits and reuses it. Both get a complete pipeline."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    code = "import sys, models; print('PATH', models.tiny_pipeline_path('flux', sys.argv[1]))"
+    env = dict(os.environ, DIGENRL_TINY_PRETRAIN="quick", PYTHONUNBUFFERED="1")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for _ in range(2)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert sum(out.count("pre-training the tiny pipeline") for out in outs) == 1, outs
+    paths = {line.split(" ", 1)[1] for out in outs for line in out.splitlines() if line.startswith("PATH ")}
+    assert len(paths) == 1 and os.path.isfile(os.path.join(paths.pop(), "model_index.json"))

@@ -56,7 +56,7 @@ class OneWeightPolicy:
         self.transformer.theta = torch.nn.Parameter(torch.zeros(dim))
         self.device = torch.device("cpu")
 
-    def velocity(self, latents, sigma, cond, transformer=None):
+    def velocity(self, latents, sigma, cond, transformer=None, cfg=True):  # no CFG branch to drop
         return self.transformer.theta.expand_as(latents)  # [B, dim]
 
 
