@@ -558,7 +558,8 @@ def _check_inputs(c: Config, family, world_size: int) -> None:
 def reward_options(c: Config):
     import rewards
     return rewards.RewardOptions(clip_path=c.clip_path, pickscore_path=c.pickscore_path,
-                                 pickscore_processor_path=c.pickscore_processor_path, remote_url=c.remote_url, remote_timeout_s=c.remote_timeout_s,
+                                 pickscore_processor_path=c.pickscore_processor_path, remote_url=c.remote_url,
+                                 remote_timeout_s=c.remote_timeout_s,
                                  remote_retries=c.remote_retries, remote_protocol=c.remote_protocol,
                                  remote_score_key=c.remote_score_key, remote_batch_size=c.remote_batch_size,
                                  remote_frames=c.remote_frames)

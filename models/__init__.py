@@ -16,8 +16,10 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import fcntl
 import os
 import re
+import shutil
 
 import torch
 
@@ -61,8 +63,6 @@ def tiny_pipeline_path(name: str, cache_dir: str | None = None) -> str:
     path = os.path.join(cache_dir or default_cache_dir(), f"tiny-{name}-v3{suffix}")
     if os.path.isfile(os.path.join(path, "model_index.json")):
         return path
-    import fcntl
-
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(f"{path}.lock", "w") as lock:  # one builder at a time: the others wait, then find it built
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -70,8 +70,6 @@ def tiny_pipeline_path(name: str, cache_dir: str | None = None) -> str:
             tmp = f"{path}.tmp{os.getpid()}"  # build aside, then rename: no reader ever sees half a pipeline
             family.build_tiny(tmp, pretrain_config=pretrain.variant_config(family, variant))
             if os.path.isdir(path):  # a half copy from a builder killed before this lock existed
-                import shutil
-
                 shutil.rmtree(path)
             os.replace(tmp, path)
     return path
