@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
-import fcntl
 import os
 import re
 import shutil
@@ -63,6 +62,8 @@ def tiny_pipeline_path(name: str, cache_dir: str | None = None) -> str:
     path = os.path.join(cache_dir or default_cache_dir(), f"tiny-{name}-v3{suffix}")
     if os.path.isfile(os.path.join(path, "model_index.json")):
         return path
+    import fcntl  # here: POSIX only, as infra/runlock.py; the cached path above needs none
+
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(f"{path}.lock", "w") as lock:  # one builder at a time: the others wait, then find it built
         fcntl.flock(lock, fcntl.LOCK_EX)
