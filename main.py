@@ -59,26 +59,27 @@ class Rank:
     pace: Callable[[], ContextManager]  # --rank-speed (infra/emulate.py, benchmarks); else no-op
     batch: batch_rewards.BatchRewards | None  # batch-level advantages: rewards posted, restated
 
-    def generate(self, step: int, first: int, count: int, version: int, producer: int, part=None):
-        """Groups [first, first + count) of step `step`: every producer's one generation path.
-        part=(lo, hi): only those trajectories, advantages left to the joined groups (TAG)."""
+    def generate(self, step: int, ranges: list[tuple[int, int]], version: int, producer: int,
+                 part=None) -> list[gap.Fragment]:
+        """Group ranges (first, count) of step `step` in one generation call, one fragment each: every
+        producer's one path (only the colocated baseline's calls join several ranges).
+        part=(lo, hi) of one range: only those trajectories, advantages left to the joined groups (TAG)."""
         c = self.cfg
-        spec = gap.fragment_spec(c.seed, step, first, count, len(self.source.train),
-                                 c.prompts_per_step, c.group_size, c.algo == "dance_grpo")
+        spec = gap.joined_specs([gap.fragment_spec(c.seed, step, first, count, len(self.source.train),
+                                                   c.prompts_per_step, c.group_size, c.algo == "dance_grpo")
+                                 for first, count in ranges])
         spec, make = (spec, rollout.generate_fragment) if part is None else \
             (rollout.part_spec(spec, *part), rollout.generate_trajectories)
         kind = "tag" if producer == tag.TAG_PRODUCER else "generate"
-        with self.tracer.span(kind, step=step, first_group=first, version=version,
+        with self.tracer.span(kind, step=step, first_group=spec.first_group, version=version,
                               samples=len(spec.prompt_ids)), self.pace():
             fragment = make(self.policy, spec, self.source.train, self.sampling, self.score,
                             version, producer)
         self.job.progress.bump(step)
-        if self.batch is not None:
-            self.batch.post(fragment)  # before it is announced, sent or shared
-        return fragment
-
-    def generate_own(self, step: int, first: int, count: int, version: int) -> gap.Fragment:
-        return self.generate(step, first, count, version, self.groups.rank)
+        fragments = gap.split_rows(fragment, ranges) if len(ranges) > 1 else [fragment]
+        for f in fragments if self.batch is not None else []:
+            self.batch.post(f)  # before it is announced, sent or shared
+        return fragments
 
     def score(self, *args, **kwargs):
         """The reward function, excused from reporting progress (a user's function reports none)."""
@@ -180,10 +181,9 @@ def trainer_rank(r: Rank):
     books.forgetting(r.queue.forget_old if leader and r.queue else gap.nothing,
                      assistant.forget if assistant else gap.nothing,
                      r.batch.forget if leader and r.batch else gap.nothing)
-    if groups.role == "colocated":
-        claims = functools.partial(gap.static_claims, cfg.prompts_per_step, cfg.fragment_groups)
-        gap.colocated_loop(side, r.steps, functools.partial(claims, groups.rank, groups.world),
-                           r.generate_own, functools.partial(claims, 0, 1))
+    if groups.role == "colocated":  # a static 1/P of every minibatch, no queue
+        gap.colocated_loop(side, r.steps, functools.partial(gap.static_claims, bounds), groups.rank, groups.world,
+                           functools.partial(r.generate, producer=groups.rank), cfg.fragment_groups)
     else:
         gap.trainer_loop(side, r.steps, streaming=cfg.gap)  # GAP
         publisher.stop()

@@ -42,7 +42,7 @@ class TimedGenerate:
 
     def __call__(self, step: int, first: int, count: int, version: int) -> gap.Fragment:
         start = time.perf_counter()
-        fragment = self.generate(step, first, count, version, self.rank)
+        fragment, = self.generate(step, [(first, count)], version, self.rank)
         self.times.report(self.rank, time.perf_counter() - start, count)
         return fragment
 
@@ -119,7 +119,7 @@ class TrainerFragments:
 
     def generate_part(self, step: int, count: int, first: int, lo: int, hi: int) -> gap.Fragment:
         """Trajectories [lo, hi) of groups [first, first + count): scored, no advantages yet."""
-        return self.generate(step, first, count, self.version(), tag.TAG_PRODUCER, part=(lo, hi))
+        return self.generate(step, [(first, count)], self.version(), tag.TAG_PRODUCER, part=(lo, hi))[0]
 
     def join(self, parts: list[gap.Fragment]) -> gap.Fragment:
         joined = gap.concat_fragments(parts)  # whole groups again: their advantages can be computed

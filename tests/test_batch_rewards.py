@@ -117,9 +117,9 @@ def test_batch_wide_statistics_and_the_colocated_loop():
     theirs, _ = flow_grpo_train_sd3_advantages(PROMPTS, rewards, False, False)  # prompts unused
     trained = {}
     side = _side(_rewards_of(_cfg(per_prompt_stat_tracking=False)).restate, [], trained)
-    gap.colocated_loop(side, range(1), lambda step: CUT,
-                       lambda step, first, count, version: _fragment(rewards, first, count, step),
-                       lambda step: CUT)
+    gap.colocated_loop(side, range(1), lambda rank, world, step: CUT, 0, 1,
+                       lambda step, ranges, version: [_fragment(rewards, first, count, step)
+                                                      for first, count in ranges], fragment_groups=3)
     torch.testing.assert_close(_trained(trained), theirs[:, 0].float(), rtol=1e-5, atol=1e-5)
 
 

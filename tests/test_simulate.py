@@ -44,6 +44,35 @@ def test_colocated_by_hand():
     assert real.step_s == pytest.approx(work + 0.1)
 
 
+def test_several_updates_per_batch_by_hand():
+    """M = 2 (--updates-per-batch): an optimizer step after each minibatch; colocated ranks each hold a
+    share of every minibatch (gap.static_claims), so both train through both updates."""
+    wl = sim.Workload(groups=4, group_size=4, num_steps=5, train_steps=3, fragment_groups=2, steps=6,
+                      updates_per_batch=2)
+    costs = _costs(f=0.01, b=0.02, optimizer=0.01)
+    # each rank: groups 0 and 2 (rank 0) or 1 and 3, generated in one call of 8 samples (f per item at
+    # 8 is 0.006: one call of 2 groups, not two of 1 at 0.01), then per minibatch one group's training
+    # and the optimizer
+    costs.forward_s[8] = 0.006
+    gen, train = 8 * 5 * 0.006, 4 * 3 * 0.02
+    assert sim.simulate("colocated", costs, sim.Cluster(nproc=2), wl).step_s == pytest.approx(
+        gen + 2 * (train + 0.01))
+    del costs.forward_s[8]
+    one = sim.Workload(**{**wl.__dict__, "updates_per_batch": 1})
+    # naive, 1 + 1 ranks: the trainer trains the batch after it is in, with one more optimizer step at M = 2
+    naive = {m: sim.simulate("naive", costs, ONE_EACH, w).step_s for m, w in ((1, one), (2, wl))}
+    assert naive[2] == pytest.approx(naive[1] + 0.01)
+    assert naive[1] == pytest.approx(2 * (8 * 5 * 0.01) + 2 * (8 * 3 * 0.02) + 0.01 + 0.05)
+    # GAP with training the bottleneck (a group: 0.2 s to generate, 0.24 s to train): the first update
+    # sits between two trainings, so it adds its 0.01 s, streaming or spanning packs alike
+    wl1 = sim.Workload(**{**one.__dict__, "fragment_groups": 1, "tsp_span": True})
+    for mode in ("gap", "gap+tsp", "digenrl"):
+        steps = [sim.simulate(mode, costs, ONE_EACH, sim.Workload(**{**wl1.__dict__, "updates_per_batch": m}))
+                 for m in (1, 2)]
+        assert steps[1].step_s == pytest.approx(steps[0].step_s + 0.01), mode
+    assert steps[0].step_s == pytest.approx(4 * 0.24 + 0.01 + 0.05)  # DigenRL: training-bound, TCSS hides generation
+
+
 # Every mode's mechanisms, written out by hand (placement, gap, tsp, tag, async): the README's table of modes.
 MECHANISMS = {"colocated": ("colocated", False, False, False, False),
               "naive": ("disaggregated", False, False, False, False),

@@ -58,6 +58,7 @@ def run_mode(mode: str, args, out: str, extra: tuple = ()) -> dict:
            "--timestep-fraction", str(args.timestep_fraction),
            "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
            "--fragment-groups", str(args.fragment_groups), "--tsp-pack", str(args.tsp_pack),
+           "--updates-per-batch", str(args.updates_per_batch),
            "--nproc", str(args.nproc), "--rollout-ranks", str(args.rollout_ranks),
            "--seed", str(args.seed), "--device", args.device, "--trace", "--no-progress",
            "--eval-every", "0", "--save-every", "0", "--threads", "1", "--run-name", mode,
@@ -149,7 +150,9 @@ def sim_setup(args, w: dict, rank_speed: dict | None = None):
     workload = simulate.Workload(groups=args.prompts_per_step, group_size=args.group_size,
                                  num_steps=args.num_steps, train_steps=w["train_steps"],
                                  fragment_groups=args.fragment_groups, tsp_pack=args.tsp_pack,
-                                 tsp_span=True)  # the runtime's --tsp-span default
+                                 tsp_span=True,  # the runtime's --tsp-span default
+                                 tag_split="group-claims",  # the runtime's TAG: groups split by trajectories
+                                 updates_per_batch=args.updates_per_batch)
     cluster = simulate.Cluster(args.nproc, args.rollout_ranks, args.device, args.device,
                                {args.device: 1.0}, dict(rank_speed or {}))
     return workload, cluster
@@ -300,6 +303,8 @@ def main(argv=None) -> int:
     p.add_argument("--group-size", type=int, default=4)
     p.add_argument("--fragment-groups", type=int, default=1)
     p.add_argument("--tsp-pack", type=int, default=4, help="pairs per forward under TSP (main.py --tsp-pack)")
+    p.add_argument("--updates-per-batch", type=int, default=2,
+                   help="M: optimizer steps per batch (main.py's default, Flow-GRPO's 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=1,
                    help="rounds of every mode, interleaved; each mode reports its median run: this machine's "

@@ -87,8 +87,12 @@ def analyse(mode: str, run: dict, w: dict) -> dict:
     late = [s for s in spans if s["args"].get("step", 1) >= 1 and s["start"] >= lo]
     dur = lambda kind: [s["end"] - s["start"] for s in late if s["kind"] == kind]  # noqa: E731
     mark_of = dict(marks)
-    gaps = [mark_of[s["args"]["step"]] - s["end"] for s in spans if s["kind"] == "optimizer"
-            and s["rank"] == leader and s["args"]["step"] < w["steps"] - 1]  # metrics, logging
+    step_update_end = {}  # a step's last update (M per step): the step's end work starts after it
+    for s in spans:
+        if s["kind"] == "optimizer" and s["rank"] == leader:
+            step = s["args"]["step"]
+            step_update_end[step] = max(step_update_end.get(step, s["end"]), s["end"])
+    gaps = [mark_of[step] - end for step, end in step_update_end.items() if step < w["steps"] - 1]  # metrics
     # Rollout-local (clocks differ by trace.align's skew): new weights in -> generating.
     weights_in = [s["end"] for s in spans if s["kind"] == "wait" and s["args"].get("what") == "weights"]
     starts = sorted(s["start"] for s in spans if s["kind"] == "generate")

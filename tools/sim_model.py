@@ -67,8 +67,16 @@ class Workload:
     #   too) and splits them over the K trainers by trajectories; "groups": whole groups, split by
     #   groups; "group-claims": whole groups split by trajectories (the runtime's TAG, issue 25)
     tsp_span: bool = False  # TSP packs span the fragments of a step: padding once per step, not per fragment
+    updates_per_batch: int = 1  # M (--updates-per-batch): an optimizer step after each of M group-range
+    #   minibatches (gap.minibatch_bounds); spanning packs are padded once per update
     steps: int = 10  # simulated RL steps: the `warmup` first and the last one are not measured
     warmup: int = 2
+
+    @property
+    def bounds(self) -> list[tuple[int, int]]:
+        """The M minibatches' group ranges, as gap.minibatch_bounds cuts them."""
+        cuts = [j * self.groups // self.updates_per_batch for j in range(self.updates_per_batch + 1)]
+        return list(zip(cuts[:-1], cuts[1:]))
 
     @property
     def m(self) -> int:
@@ -115,9 +123,14 @@ def train_tsp_s(costs: Costs, wl: Workload, samples: int, trainers: int, speed: 
 spanning_passes = tsp.spanning_passes  # one cost model, two users: the runtime's PackStream and this
 
 
+def train_samples_s(costs: Costs, wl: Workload, samples: int, speed: float) -> float:
+    """One trainer, the per-timestep loop over a fragment of `samples`: T_train passes of that many pairs."""
+    return wl.train_steps * samples * per_item(costs.train_s, samples) / speed
+
+
 def train_dealt_s(costs: Costs, wl: Workload, speed: float) -> float:
-    """One trainer, the per-timestep loop: T_train passes of m pairs."""
-    return wl.train_steps * wl.m * per_item(costs.train_s, wl.m) / speed
+    """A whole fragment of m samples (train_samples_s)."""
+    return train_samples_s(costs, wl, wl.m, speed)
 
 
 def bound_s(costs: Costs, wl: Workload, cluster: Cluster) -> float:

@@ -44,10 +44,12 @@ if __package__ in (None, ""):  # run as `python tools/X.py`: make the project ro
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import config  # noqa: E402  (config.MODES owns the mechanism presets)
+import gap  # noqa: E402  (the colocated baseline's static shares, as the runtime cuts them)
 import tag  # noqa: E402  (the runtime's TAG predictor: the simulated leader decides as the real one)
 from infra.tracing import union_length  # noqa: E402
 from tools.sim_model import (Cluster, Costs, Workload, _Sim, bound_s, generation_s,  # noqa: E402,F401
-                             pair_s, per_item, spanning_passes, train_dealt_s, train_tsp_s)
+                             pair_s, per_item, spanning_passes, train_dealt_s, train_samples_s,
+                             train_tsp_s)
 
 BENCH_MODES = ("colocated", "naive", "gap", "gap+tsp", "gap+tsp+tag", "digenrl")
 REAL_COLOCATED = "colocated-real"  # simulator only: colocated plus the measured switch costs
@@ -106,19 +108,24 @@ def _finish(sim, ranks, costs, training_ranks):
 
 
 def _colocated(sim, mode, costs, cluster, wl):
-    P, M = cluster.nproc, wl.fragments
+    P, G = cluster.nproc, wl.group_size
     switch = costs.switch_s if mode == REAL_COLOCATED else 0.0
     barrier, step_end = defaultdict(int), {}
 
     def rank_loop(rank):
-        mine = len(range(rank, M, P))  # static share of fragments, as the runtime deals them
         speed = cluster.speed(rank)
-        work = mine * (generation_s(costs, wl.m, wl.num_steps, speed) + train_dealt_s(costs, wl, speed))
+        # the runtime's own shares and generation calls: a contiguous 1/P of every minibatch, generated
+        # fragment_groups groups per call, trained per (minibatch, call) piece
+        calls = gap.generation_batches(gap.static_claims(wl.bounds, rank, P, 0), wl.fragment_groups)
+        gen = sum(generation_s(costs, sum(c for _, c in call) * G, wl.num_steps, speed) for call in calls)
+        shares = [[c for call in calls for f, c in call if lo <= f < hi] for lo, hi in wl.bounds]
         for step in range(wl.steps):
-            yield from sim.busy([rank], switch + work)
-            barrier[step] += 1
-            yield ("until", lambda: barrier[step] == P)
-            yield from _finish(sim, [rank], costs, P)
+            yield from sim.busy([rank], switch + gen)
+            for j, frags in enumerate(shares):  # one update per minibatch, gradients summed over ranks
+                yield from sim.busy([rank], sum(train_samples_s(costs, wl, g * G, speed) for g in frags))
+                barrier[step, j] += 1
+                yield ("until", lambda: barrier[step, j] == P)
+                yield from _finish(sim, [rank], costs, P)
             if rank == 0:
                 yield from sim.busy([0], costs.step_overhead_s)
                 step_end[step] = sim.now
@@ -221,25 +228,38 @@ def _disaggregated(sim, mode, costs, cluster, wl):
             return [tag.split_groups(hi - lo, K, r) for r in range(K)]
         return [(a * G, b * G) for a, b in (tag.split_groups((hi - lo) // G, K, r) for r in range(K))]
 
+    bounds = wl.bounds  # M minibatches: an update after each (gap.train_in_minibatches)
+
+    def minibatch_of(group):
+        return next(j for j, (lo, hi) in enumerate(bounds) if lo <= group < hi)
+
     def trainer_group():  # under TSP the K trainers move in lockstep: one actor
         yield from publish(0)
         pending = {}  # step -> the range TAG claimed at the boundary, not generated yet
         for step in range(S):
             have = bytearray(N)  # trajectories in the trainer group (a group trains once all G are)
-            trained, next_seq, pairs, passes = 0, 0, 0, 0
-            own, held = pending.pop(step, (0, 0)), []
+            trained, next_seq, current = 0, 0, 0
+            own = pending.pop(step, (0, 0))
+            span = {"pairs": 0, "passes": 0}  # the current minibatch's spanning packs (PackStream)
+            covered, held = [0] * len(bounds), [[] for _ in bounds]  # groups in; parts not trained yet
 
-            def train(groups):  # one arrival's newly complete groups, trained now (GAP) or held
-                nonlocal pairs, passes
-                if not gap_on:
-                    held.append(groups)
-                    return 0.0
-                if not wl.tsp_span:  # the runtime today: each arrival padded to whole packs
+            def train(groups):  # newly complete groups of the current minibatch, trained now (GAP)
+                if not wl.tsp_span:  # each arrival padded to whole packs
                     return train_tsp_s(costs, wl, groups * G, K, t_speed)
-                pairs += groups * G * wl.train_steps
-                now = spanning_passes(pairs, K, wl.tsp_pack, last=False)
-                done, passes = now - passes, now
+                span["pairs"] += groups * G * wl.train_steps
+                now = spanning_passes(span["pairs"], K, wl.tsp_pack, last=False)
+                done, span["passes"] = now - span["passes"], now
                 return done * wl.tsp_pack * pair_s(costs, wl, t_speed)
+
+            def close(j):  # minibatch j is in: what it still needs, its update
+                tail = 0.0 if gap_on else sum(train_tsp_s(costs, wl, g * G, K, t_speed) for g in held[j])
+                if wl.tsp_span:  # the minibatch's last pack, padded (or every pack, without GAP)
+                    pairs = (bounds[j][1] - bounds[j][0]) * G * wl.train_steps
+                    tail = (spanning_passes(pairs, K, wl.tsp_pack, last=True) - span["passes"]) \
+                        * wl.tsp_pack * pair_s(costs, wl, t_speed)
+                span["pairs"] = span["passes"] = 0
+                yield from sim.busy(trainers, tail)
+                yield from _finish(sim, trainers, costs, K)
 
             while trained < B:
                 yield ("until", lambda: len(announced[step]) > next_seq or own[1] > own[0]
@@ -262,16 +282,28 @@ def _disaggregated(sim, mode, costs, cluster, wl):
                     own = tag_claim(step, tag_wants(step, next_seq))
                     continue
                 have[lo:hi] = b"\x01" * (hi - lo)
-                groups = sum(all(have[g * G:(g + 1) * G]) for g in range(lo // G, -(-hi // G)))
-                trained += groups
-                yield from sim.busy(trainers, train(groups))
-            tail = sum(train_tsp_s(costs, wl, g * G, K, t_speed) for g in held)
-            if wl.tsp_span:  # the step's last pack, padded (or every pack, without GAP)
-                pairs = B * G * wl.train_steps
-                tail = (spanning_passes(pairs, K, wl.tsp_pack, last=True) - passes) * wl.tsp_pack \
-                    * pair_s(costs, wl, t_speed)
-            yield from sim.busy(trainers, tail)
-            yield from _finish(sim, trainers, costs, K)
+                complete = [g for g in range(lo // G, -(-hi // G)) if all(have[g * G:(g + 1) * G])]
+                trained += len(complete)
+                now = 0.0
+                for j in sorted({minibatch_of(g) for g in complete}):
+                    count = sum(minibatch_of(g) == j for g in complete)
+                    covered[j] += count
+                    if gap_on and j == current:
+                        now += train(count)
+                    else:
+                        held[j].append(count)  # a later minibatch's part waits for the update
+                yield from sim.busy(trainers, now)
+                while gap_on and current < len(bounds) - 1 and covered[current] == bounds[current][1] - bounds[current][0]:
+                    yield from close(current)
+                    current += 1
+                    if gap_on:
+                        yield from sim.busy(trainers, sum(train(g) for g in held[current]))
+            while current < len(bounds) - 1:  # every group is in: the remaining updates
+                yield from close(current)
+                current += 1
+                if gap_on:
+                    yield from sim.busy(trainers, sum(train(g) for g in held[current]))
+            yield from close(current)
             yield from sim.busy([leader], costs.step_overhead_s)
             step_end[step] = sim.now
             if tag_on and step + 1 < S:  # before the rollout ranks grab the rest of step + 1
@@ -282,18 +314,24 @@ def _disaggregated(sim, mode, costs, cluster, wl):
         rank = trainers[k]
         if k == 0:
             yield from publish(0)
-        done = defaultdict(int)
+        # the fragments dealt to this trainer (arrival k, k + K, ...), by the minibatch of their first
+        # group: the queue hands out groups in order, so arrival s is about fragment s
+        mine = [[s for s in range(k, wl.fragments, K) if minibatch_of(s * wl.fragment_groups) == j]
+                for j in range(len(bounds))]
         for step in range(S):
-            for seq in range(k, wl.fragments, K):
-                yield ("until", lambda: len(announced[step]) > seq)
-                lo, hi, _ = announced[step][seq]
-                work = train_dealt_s(costs, wl, t_speed) * (hi - lo) / m
-                yield from sim.busy([rank], transfer_s(hi - lo) + (work if gap_on else 0.0))
-                done[step] += 0 if gap_on else work
-            yield from sim.busy([rank], done[step])
-            barrier[step] += 1
-            yield ("until", lambda: barrier[step] == K)
-            yield from _finish(sim, [rank], costs, K)
+            held = [0.0] * len(bounds)  # without GAP: per minibatch, trained once the whole batch is in
+            for j, seqs in enumerate(mine):  # minibatch j's fragments, then update j
+                arriving = seqs if gap_on else [s for part in mine for s in part] if j == 0 else []
+                for seq in arriving:
+                    yield ("until", lambda: len(announced[step]) > seq)
+                    lo, hi, _ = announced[step][seq]
+                    work = train_dealt_s(costs, wl, t_speed) * (hi - lo) / m
+                    yield from sim.busy([rank], transfer_s(hi - lo) + (work if gap_on else 0.0))
+                    held[minibatch_of(lo // G)] += 0.0 if gap_on else work
+                yield from sim.busy([rank], held[j])
+                barrier[step, j] += 1
+                yield ("until", lambda: barrier[step, j] == K)
+                yield from _finish(sim, [rank], costs, K)
             if k == 0:
                 yield from sim.busy([rank], costs.step_overhead_s)
                 step_end[step] = sim.now
