@@ -14,7 +14,7 @@ its fragments' advantages from grpo.advantages over the whole batch once every g
 posted. Store only (CPU, the data plane), no collective.
 
 Deadlocks: restate runs after the step's fragment iterator is exhausted (gap.trainer_loop,
-gap.colocated_loop), and by then every group of the step has been produced. Rollout ranks generate a
+colocated.loop), and by then every group of the step has been produced. Rollout ranks generate a
 step's groups without waiting for that step's training; under TSP's lockstep with TAG the trainers
 generate their groups inside the iterator itself, so exhausting it means all groups are in;
 colocated ranks generate their static share before they restate. A post happens inside generation,

@@ -129,12 +129,6 @@ def fragment_spec(seed: int, step: int, first_group: int, num_groups: int, num_p
     return FragmentSpec(step, first_group, prompt_ids, init_seeds, noise_seeds, group_size)
 
 
-def joined_specs(specs: list[FragmentSpec]) -> FragmentSpec:
-    """Several ranges of one step as one generation call, rows in order (split back: split_rows)."""
-    return dataclasses.replace(specs[0], **{k: [x for s in specs for x in getattr(s, k)]
-                                            for k in ("prompt_ids", "init_seeds", "noise_seeds")})
-
-
 def num_fragments(groups_per_step: int, fragment_groups: int) -> int:
     if fragment_groups < 1 or groups_per_step % fragment_groups:
         raise ValueError(f"--fragment-groups {fragment_groups} must divide the {groups_per_step} groups of a step")
@@ -410,59 +404,6 @@ def trainer_loop(side: TrainerSide, steps: range, streaming: bool) -> None:
         side.before_publish(step)
         side.publish(side.version())
         side.end_step(step, metrics)
-
-
-def static_claims(bounds: list[tuple[int, int]], rank: int, world: int, step: int) -> list[tuple[int, int]]:
-    """The colocated baseline's fixed share of a step (no queue): a contiguous 1/world of every
-    minibatch (`bounds`), so every rank trains in every update, as each Flow-GRPO GPU splits its own
-    samples into the M minibatches. One (first_group, num_groups) range per minibatch, empty ones left out."""
-    starts = [[lo + (hi - lo) * r // world for r in (rank, rank + 1)] for lo, hi in bounds]
-    return [(start, end - start) for start, end in starts if end > start]
-
-
-def generation_batches(ranges: list[tuple[int, int]], fragment_groups: int) -> list[list[tuple[int, int]]]:
-    """A rank's ranges cut into generation calls of fragment_groups groups (the last maybe fewer), in
-    order: a call may join pieces of several minibatches, as Flow-GRPO samples sample.batch_size at a time
-    whatever the training minibatches, so the baseline's generation batch is the pipeline's fragment."""
-    batches, room = [[]], fragment_groups
-    for first, count in ranges:
-        while count:
-            if room == 0:
-                batches.append([])
-                room = fragment_groups
-            take = min(room, count)
-            batches[-1].append((first, take))
-            first, count, room = first + take, count - take, room - take
-    return [b for b in batches if b]
-
-
-def split_rows(fragment: Fragment, ranges: list[tuple[int, int]]) -> list[Fragment]:
-    """One fragment generated for several group ranges (rows in `ranges` order) cut into one per range."""
-    parts, row = [], 0
-    for first, count in ranges:
-        rows = slice(row, row + count * fragment.group_size)
-        ints = fragment.ints()
-        ints[1] = first
-        parts.append(Fragment.from_parts(ints, {k: v[rows] for k, v in fragment.tensors().items()}))
-        row = rows.stop
-    if row != fragment.num_samples:
-        raise ValueError(f"ranges {ranges} hold {row} samples, the fragment {fragment.num_samples}")
-    return parts
-
-
-def colocated_loop(side: TrainerSide, steps: range, claims: Callable[[int, int, int], list[tuple[int, int]]],
-                   rank: int, world: int, generate: Callable[[int, list[tuple[int, int]], int], list[Fragment]],
-                   fragment_groups: int) -> None:
-    """The colocated baseline (Flow-GRPO / veRL-Omni style), no pipeline: generate this rank's static share
-    of the batch (claims(rank, world, step)) fragment_groups groups per call (`generate` returns one fragment
-    per range of its call), then train it, one update per minibatch with gradients summed over every rank;
-    the other ranks' claims only mark their groups as in."""
-    for step in steps:
-        fragments = [f for ranges in generation_batches(claims(rank, world, step), fragment_groups)
-                     for f in generate(step, ranges, side.version())]
-        others = [Announcement(-1, first, count, -1) for other in range(world) if other != rank
-                  for first, count in claims(other, world, step)]
-        side.end_step(step, side.train_step(step, [*fragments, *others]))
 
 
 # --- python3 gap.py: the mechanism alone, on fake ranks --------------------------------------------------

@@ -23,6 +23,7 @@ from typing import ContextManager
 import torch
 
 import batch_rewards
+import colocated
 import comm
 import config as config_lib
 import gap
@@ -65,7 +66,7 @@ class Rank:
         producer's one path (only the colocated baseline's calls join several ranges).
         part=(lo, hi) of one range: only those trajectories, advantages left to the joined groups (TAG)."""
         c = self.cfg
-        spec = gap.joined_specs([gap.fragment_spec(c.seed, step, first, count, len(self.source.train),
+        spec = colocated.joined_specs([gap.fragment_spec(c.seed, step, first, count, len(self.source.train),
                                                    c.prompts_per_step, c.group_size, c.algo == "dance_grpo")
                                  for first, count in ranges])
         spec, make = (spec, rollout.generate_fragment) if part is None else \
@@ -76,7 +77,7 @@ class Rank:
             fragment = make(self.policy, spec, self.source.train, self.sampling, self.score,
                             version, producer)
         self.job.progress.bump(step)
-        fragments = gap.split_rows(fragment, ranges) if len(ranges) > 1 else [fragment]
+        fragments = colocated.split_rows(fragment, ranges) if len(ranges) > 1 else [fragment]
         for f in fragments if self.batch is not None else []:
             self.batch.post(f)  # before it is announced, sent or shared
         return fragments
@@ -181,9 +182,9 @@ def trainer_rank(r: Rank):
     books.forgetting(r.queue.forget_old if leader and r.queue else gap.nothing,
                      assistant.forget if assistant else gap.nothing,
                      r.batch.forget if leader and r.batch else gap.nothing)
-    if groups.role == "colocated":  # a static 1/P of every minibatch, no queue
-        gap.colocated_loop(side, r.steps, functools.partial(gap.static_claims, bounds), groups.rank, groups.world,
-                           functools.partial(r.generate, producer=groups.rank), cfg.fragment_groups)
+    if groups.role == "colocated":  # the baseline: a static 1/P of every minibatch, no queue
+        colocated.loop(side, r.steps, functools.partial(colocated.static_claims, bounds), groups.rank,
+                       groups.world, functools.partial(r.generate, producer=groups.rank), cfg.fragment_groups)
     else:
         gap.trainer_loop(side, r.steps, streaming=cfg.gap)  # GAP
         publisher.stop()

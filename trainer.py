@@ -108,7 +108,9 @@ class Trainer:
         if cfg.optimizer == "sgd":
             self.optimizer = torch.optim.SGD(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         else:
-            self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay, eps=cfg.adam_eps)
+            # fused: one kernel for every tensor (CPU and CUDA; 0.35 vs 1.1 ms per update on the tiny model)
+            self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                               eps=cfg.adam_eps, fused=fused_adamw_ok(self.params))
         self.step_fn = step_fn(cfg.algo)
         self.version = 0  # the weights version this trainer holds (= RL steps taken, whatever M)
         self.updates_in_step = 0  # optimizer updates already taken in this RL step (0 .. M - 1)
@@ -409,6 +411,12 @@ def summarize(m: MetricSums, reward_names: list[str]) -> dict[str, float]:
     out["trajectories"] = s.get("trajectories", 0.0)
     out["pairs"] = s.get("pairs", 0.0)
     return out
+
+
+def fused_adamw_ok(params: list[torch.Tensor]) -> bool:
+    """torch's fused AdamW takes floating-point tensors on CPU or CUDA (FSDP2's DTensors included); it
+    gives the for-each update to float rounding (tests/test_truth.py pins both to a hand-computed one)."""
+    return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
 
 
 def _is_sharded(t) -> bool:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 import batch_rewards
 import config
+import colocated
 import gap
 import grpo
 import models
@@ -117,7 +118,7 @@ def test_batch_wide_statistics_and_the_colocated_loop():
     theirs, _ = flow_grpo_train_sd3_advantages(PROMPTS, rewards, False, False)  # prompts unused
     trained = {}
     side = _side(_rewards_of(_cfg(per_prompt_stat_tracking=False)).restate, [], trained)
-    gap.colocated_loop(side, range(1), lambda rank, world, step: CUT, 0, 1,
+    colocated.loop(side, range(1), lambda rank, world, step: CUT, 0, 1,
                        lambda step, ranges, version: [_fragment(rewards, first, count, step)
                                                       for first, count in ranges], fragment_groups=3)
     torch.testing.assert_close(_trained(trained), theirs[:, 0].float(), rtol=1e-5, atol=1e-5)

@@ -225,3 +225,21 @@ def test_async_staleness_is_zero_or_one_and_bounded(tiny_cache, tmp_path):
     assert rows[0]["stale_fragments"] == 0  # nothing can be stale before the first update
     assert [r["stale_fragments"] for r in rows] == [0, 1, 1, 1], "scripted: one stale fragment per step after 0"
     assert all(r["staleness_mean"] == 0 and r["stale_fragments"] == 0 for r in read_metrics(tmp_path / "sync"))
+
+
+@pytest.mark.parametrize("slow,acts", [("0=0.2", True), ("1=0.2", False)])
+def test_digenrl_tag_acts_exactly_when_the_trainers_would_idle(tiny_cache, tmp_path, slow, acts):
+    """The real predictor (no script), DigenRL mode with TCSS: with the rollout rank at a fifth of its speed
+    (--rank-speed, benchmark emulation) the trainer would idle most of every step, so TAG claims groups in
+    most steps; with the trainer at a fifth, training is the bottleneck and TAG never claims. Catches a
+    predictor that never claims next to TCSS (e.g. deciding only when nothing is in flight, or only at the
+    head of a step) and one that claims when it only delays training."""
+    args = ["--mode", "digenrl", "--nproc", "2", "--steps", "6", "--prompts-per-step", "4", "--group-size", "2",
+            "--num-steps", "6", "--fragment-groups", "1", "--eval-every", "0", "--save-every", "0",
+            "--timeout-s", "60", "--no-trace", "--rank-speed", slow, "--run-name", "run"]
+    run_main(args, tmp_path, tiny_cache)
+    claims = [r["tag_fragments"] for r in read_metrics(tmp_path / "run")][1:]  # step 0 measures the costs
+    if acts:
+        assert sum(c > 0 for c in claims) >= len(claims) // 2, claims
+    else:
+        assert sum(claims) == 0, claims

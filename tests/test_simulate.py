@@ -46,7 +46,7 @@ def test_colocated_by_hand():
 
 def test_several_updates_per_batch_by_hand():
     """M = 2 (--updates-per-batch): an optimizer step after each minibatch; colocated ranks each hold a
-    share of every minibatch (gap.static_claims), so both train through both updates."""
+    share of every minibatch (colocated.static_claims), so both train through both updates."""
     wl = sim.Workload(groups=4, group_size=4, num_steps=5, train_steps=3, fragment_groups=2, steps=6,
                       updates_per_batch=2)
     costs = _costs(f=0.01, b=0.02, optimizer=0.01)

@@ -198,3 +198,24 @@ def test_rl_raises_the_reward_and_reversed_advantages_lower_it(seed):
     assert after > before + 0.15, (before, after)
     before, after = _train(True, seed=seed)
     assert after < before - 0.15, (before, after)
+
+
+def test_the_trainers_update_is_adamw_by_hand():
+    """Two updates of Trainer.update (torch's fused AdamW where fused_adamw_ok) against AdamW written out
+    (Loshchilov & Hutter: decoupled decay, bias-corrected moments) on set gradients: catches a wrong
+    optimizer or hyper-parameter (eps, decay, betas) and a fused kernel that is not the plain update."""
+    policy = LinePolicy()
+    policy.transformer.theta.data = torch.linspace(0.5, 1.5, policy.dim)  # non-zero: the decay shows
+    lr, wd, eps, b1, b2 = 0.05, 0.1, 1e-8, 0.9, 0.999
+    trainer = Trainer(policy, TrainConfig(lr=lr, weight_decay=wd, adam_eps=eps, max_grad_norm=1e9))
+    assert trainer.optimizer.defaults["fused"], "CPU float32: the fused kernel"
+    theta = policy.transformer.theta.detach().clone().double()
+    m, v = torch.zeros_like(theta), torch.zeros_like(theta)
+    for t, scale in ((1, 1.0), (2, -3.0)):
+        grad = scale * torch.linspace(-1, 1, theta.numel(), dtype=torch.float64)
+        policy.transformer.theta.grad = grad.float()
+        trainer.update()
+        theta = theta * (1 - lr * wd)
+        m, v = b1 * m + (1 - b1) * grad, b2 * v + (1 - b2) * grad ** 2
+        theta = theta - lr * (m / (1 - b1 ** t)) / ((v / (1 - b2 ** t)).sqrt() + eps)
+        torch.testing.assert_close(policy.transformer.theta.detach().double(), theta, rtol=1e-6, atol=1e-7)

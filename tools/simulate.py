@@ -43,8 +43,8 @@ from collections import defaultdict
 if __package__ in (None, ""):  # run as `python tools/X.py`: make the project root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import colocated  # noqa: E402  (the colocated baseline's static shares, as the runtime cuts them)
 import config  # noqa: E402  (config.MODES owns the mechanism presets)
-import gap  # noqa: E402  (the colocated baseline's static shares, as the runtime cuts them)
 import tag  # noqa: E402  (the runtime's TAG predictor: the simulated leader decides as the real one)
 from infra.tracing import union_length  # noqa: E402
 from tools.sim_model import (Cluster, Costs, Workload, _Sim, bound_s, generation_s,  # noqa: E402,F401
@@ -116,7 +116,7 @@ def _colocated(sim, mode, costs, cluster, wl):
         speed = cluster.speed(rank)
         # the runtime's own shares and generation calls: a contiguous 1/P of every minibatch, generated
         # fragment_groups groups per call, trained per (minibatch, call) piece
-        calls = gap.generation_batches(gap.static_claims(wl.bounds, rank, P, 0), wl.fragment_groups)
+        calls = colocated.generation_batches(colocated.static_claims(wl.bounds, rank, P, 0), wl.fragment_groups)
         gen = sum(generation_s(costs, sum(c for _, c in call) * G, wl.num_steps, speed) for call in calls)
         shares = [[c for call in calls for f, c in call if lo <= f < hi] for lo, hi in wl.bounds]
         for step in range(wl.steps):
