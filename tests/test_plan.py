@@ -31,7 +31,10 @@ def test_printed_command_passes_config_validate(family, tiny_cache):
     """Catches a planner whose command config refuses (e.g. --fsdp --tag with fragments smaller than K, a fragment
     size that does not divide the batch) or runs another configuration than the one predicted: the printed command
     is parsed with config's own parser, resolved and validated on its world size (the family's tiny pipeline stands
-    in for the weights, as in test_presets), and its fields are the candidate's."""
+    in for the weights, as in test_presets), and its fields are the candidate's; the simulated workload is the
+    command's (M updates per batch: main.py's own default is 2, the plan's 1) and the runtime's (TSP packs span
+    fragments; TAG claims whole groups, split by trajectories: simulate.py's "group-claims", not the what-if
+    "trajectories" that may claim part of a group)."""
     p = _problem(family)
     plans, _ = plan.best(p, top=1)
     c = plans[0].candidate
@@ -47,6 +50,8 @@ def test_printed_command_passes_config_validate(family, tiny_cache):
     assert (cfg.group_size, cfg.num_steps, cfg.prompts_per_step) == (s["G"], s["T"], 32)
     wl = p.workload(c)  # the simulated workload is the command's: T_train = int(T f) (flow_grpo)
     assert int(cfg.num_steps * cfg.timestep_fraction) == wl.train_steps
+    assert cfg.updates_per_batch == wl.updates_per_batch == plan.paper_settings()["updates_per_batch"]
+    assert (wl.tsp_span, wl.tag_split) == (cfg.tsp_span, "group-claims")
     assert cfg.resolution == s["flags"]["resolution"] and cfg.grad_ckpt == s["grad_ckpt"]
 
 
@@ -108,9 +113,25 @@ def test_paper_scale_digenrl_row_is_the_plans():
     assert case["command"] == plan.command(_problem("flux"), best.candidate)
 
 
+def test_updates_per_batch_feeds_the_prediction_and_the_command(capsys):
+    """Catches --updates-per-batch that reaches the printed command but not the simulation (or the reverse), or an
+    ideal colocated baseline simulated with another M than DigenRL."""
+    p = _problem("flux", updates_per_batch=2)
+    c = plan.Candidate(4, 1, 4, True, 4)
+    args = plan.main_args(p, c, pretrained=None)
+    assert args[args.index("--updates-per-batch") + 1] == "2" and p.workload(c).updates_per_batch == 2
+    assert plan.ideal_colocated_s(p) > plan.ideal_colocated_s(_problem("flux"))  # an update more per step
+    assert plan.main(["--model", "flux", "--gpus", "4", "--updates-per-batch", "2", "--top", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "M = 2 updates per batch" in printed
+    args, _ = _main_args(next(line for line in printed.splitlines() if line.startswith("torchrun")))
+    assert args[args.index("--updates-per-batch") + 1] == "2"
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--gpus", "1"], "at least 2"), (["--gpus", "16", "--rollout-speed", "0"], "must be in"),
-    (["--gpus", "16", "--rollout-gpus", "16"], "between 1")])
+    (["--gpus", "16", "--rollout-gpus", "16"], "between 1"),
+    (["--gpus", "16", "--updates-per-batch", "0"], "between 1 and the 32 groups")])
 def test_bad_input_is_one_line(flags, message, capsys):
     """Catches a planner that crashes (or plans nonsense) on a cluster it cannot run."""
     with pytest.raises(SystemExit) as exit_info:

@@ -26,11 +26,13 @@ def paper_settings() -> dict:
     return _profile("paper_settings.json")
 
 
-def paper_workload(label: str, max_stale: int | None = None) -> Workload:
+def paper_workload(label: str, max_stale: int | None = None, updates_per_batch: int | None = None) -> Workload:
+    """A seed model's workload at paper_settings.json's values; updates_per_batch None = the settings' M."""
     s, p = paper_settings()["models"][label], paper_settings()
     return Workload(groups=p["batch_groups"], group_size=s["G"], num_steps=s["T"],
                     train_steps=round(s["frac"] * s["T"]), fragment_groups=p["fragment_groups"],
-                    tsp_pack=s["pack"], max_stale=max_stale, steps=8)
+                    tsp_pack=s["pack"], max_stale=max_stale, steps=8,
+                    updates_per_batch=p["updates_per_batch"] if updates_per_batch is None else updates_per_batch)
 
 
 def paper_costs(label: str, fragment_m: int, train_steps: int) -> Costs:

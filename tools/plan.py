@@ -4,19 +4,25 @@
     python tools/plan.py --model wan --gpus 32 --no-lora              # full fine-tuning (FSDP over the trainers)
     python tools/plan.py --model flux --gpus 32 --rollout-gpus 16 --rollout-speed 0.5   # slower rollout GPUs
     python tools/plan.py --model flux --gpus 16 --runtime today       # plan for the runtime before issue 25
+    python tools/plan.py --model flux --gpus 16 --updates-per-batch 2 # Flow-GRPO's two updates per batch
 
 It searches R (rollout ranks; K = P - R trainers), the fragment size (--fragment-groups), --tsp-pack, TAG on or
 off and TCSS's budget j (--max-stale-fragments 0, 1 or R) with tools/simulate.py's event model on the H200
-per-op profiles (tools/profiles/, at paper_settings.json's workload: the model's T, T_train, G, B = 32 and
-resolution), drops what the real-size memory estimate says does not fit (tools/plan_memory.py: both roles'
-peaks, cached from tools/estimate_memory.py) and what config.validate refuses, and prints the best
-`torchrun ... main.py ...` command with its predicted step time, next to the ideal colocated system's, and
-the runner-up configurations. The search is in two stages: every R with the default knobs, then the full
-grid of knobs around the three best R.
+per-op profiles (tools/profiles/, at paper_settings.json's workload: the model's T, T_train, G, B = 32,
+resolution and M updates per batch), drops what the real-size memory estimate says does not fit
+(tools/plan_memory.py: both roles' peaks, cached from tools/estimate_memory.py) and what config.validate
+refuses, and prints the best `torchrun ... main.py ...` command with its predicted step time, next to the ideal
+colocated system's (same M), and the runner-up configurations. The search is in two stages: every R with
+the default knobs, then the full grid of knobs around the three best R.
 
-`--runtime issue25` (the default) simulates with both of issue 25's changes (TSP packs that span fragments,
-TAG claims by trajectories); `--runtime today` without them. The runtime has no flag for either: they are
-how the runtime trains, so the printed command is the same; only the prediction differs.
+`--runtime issue25` (the default) simulates the runtime since issue 25: TSP packs span the fragments of a
+minibatch (padding once per update), and TAG claims whole groups and splits their trajectories over the K
+trainers (tag.Assistant with the group size; simulate.py's tag_split="group-claims"). `--runtime today`
+simulates the runtime before it: each fragment padded to whole packs, TAG's groups split over the trainers by
+whole groups. The printed command is the same for both; only the prediction differs.
+
+`--updates-per-batch M` (default: paper_settings.json's, 1: the DigenRL paper's one optimizer step per RL step)
+is simulated and always printed in the command: main.py's own default is Flow-GRPO's min(2, prompts per step).
 """
 from __future__ import annotations
 
@@ -33,7 +39,9 @@ from tools import plan_memory  # noqa: E402
 from tools.paper_costs import paper_costs, paper_settings, paper_workload  # noqa: E402
 from tools.simulate import Cluster, StepReport, simulate  # noqa: E402
 
-RUNTIMES = {"issue25": {"tsp_span": True, "tag_split": "trajectories"}, "today": {}}
+RUNTIMES = {"issue25": {"tsp_span": True, "tag_split": "group-claims"}, "today": {}}
+# simulator-only what-ifs (tools/paper_scale.py prints one): no runtime trains this way, so plan.py does not offer them
+WHAT_IFS = {"issue25, TAG claims part of a group": {"tsp_span": True, "tag_split": "trajectories"}}
 FRAGMENT_GROUPS, PACKS = (1, 2, 4), (1, 2, 4, 8)
 PRETRAINED = {"flux": "/models/FLUX.1-dev", "qwenimage": "/models/Qwen-Image",
               "wan": "/models/Wan2.1-T2V-14B-Diffusers", "hunyuanvideo": "/models/HunyuanVideo"}
@@ -68,6 +76,11 @@ class Problem:
     runtime: str = "issue25"
     gpus_per_node: int = 8
     costs_of: object = None  # fragment_groups -> Costs; default: paper_costs of the label
+    updates_per_batch: int | None = None  # M; None = paper_settings.json's
+
+    @property
+    def updates(self) -> int:
+        return paper_settings()["updates_per_batch"] if self.updates_per_batch is None else self.updates_per_batch
 
     def costs(self, fragment_groups: int):
         if self.costs_of is not None:
@@ -76,9 +89,9 @@ class Problem:
         return paper_costs(self.label, wl.m, wl.train_steps)
 
     def workload(self, c: Candidate):
-        wl = paper_workload(self.label, max_stale=c.max_stale)
+        wl = paper_workload(self.label, max_stale=c.max_stale, updates_per_batch=self.updates)
         return dataclasses.replace(wl, fragment_groups=c.fragment_groups, tsp_pack=c.tsp_pack,
-                                   fsdp=not self.lora, **RUNTIMES[self.runtime])
+                                   fsdp=not self.lora, **{**RUNTIMES, **WHAT_IFS}[self.runtime])
 
     def cluster(self, rollout_ranks: int) -> Cluster:
         return Cluster(self.gpus, rollout_ranks, rollout_kind="rollout",
@@ -155,7 +168,7 @@ def main_args(p: Problem, c: Candidate, pretrained: str | None = "") -> list[str
     for name, value in s["flags"].items():
         args += [f"--{name}", str(value)]
     args += ["--fragment-groups", str(c.fragment_groups), "--tsp-pack", str(c.tsp_pack),
-             "--max-stale-fragments", str(c.max_stale)]
+             "--max-stale-fragments", str(c.max_stale), "--updates-per-batch", str(p.updates)]
     return args + ([] if c.tag else ["--no-tag"]) + (["--grad-ckpt"] if s["grad_ckpt"] else [])
 
 
@@ -197,7 +210,7 @@ def ideal_colocated_s(p: Problem) -> float | None:
     """The ideal colocated system (no switch cost) on the same GPUs; None when the slower GPUs are not fixed."""
     if p.rollout_speed != 1 and p.rollout_gpus is None:
         return None
-    wl = paper_workload(p.label)
+    wl = paper_workload(p.label, updates_per_batch=p.updates)
     return simulate("colocated", p.costs(wl.fragment_groups), p.cluster(p.rollout_gpus or 1), wl).step_s
 
 
@@ -219,7 +232,12 @@ def main(argv=None) -> int:
     parser.add_argument("--lora", action=argparse.BooleanOptionalAction, default=True,
                         help="LoRA (default) or full fine-tuning with FSDP over the trainers")
     parser.add_argument("--runtime", choices=sorted(RUNTIMES), default="issue25",
-                        help="issue25: TSP packs span fragments and TAG claims by trajectories; today: neither")
+                        help="issue25 (the runtime since issue 25): TSP packs span the fragments of a minibatch and "
+                        "TAG claims whole groups, their trajectories split over the K trainers; today (before it): "
+                        "packs per fragment, TAG's groups split over the trainers by whole groups")
+    parser.add_argument("--updates-per-batch", type=int, default=paper_settings()["updates_per_batch"],
+                        help="M: optimizer steps per RL step, simulated and passed to main.py (default: "
+                        "profiles/paper_settings.json's, the DigenRL paper's one; main.py's own default is 2)")
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--top", type=int, default=5, help="configurations printed (the best and runner-ups)")
     args = parser.parse_args(argv)
@@ -229,13 +247,17 @@ def main(argv=None) -> int:
         parser.error(f"--rollout-speed {args.rollout_speed}: must be in (0, 4]")
     if args.rollout_gpus is not None and not 1 <= args.rollout_gpus < args.gpus:
         parser.error(f"--rollout-gpus {args.rollout_gpus}: must be between 1 and {args.gpus - 1}")
+    if not 1 <= args.updates_per_batch <= paper_settings()["batch_groups"]:
+        parser.error(f"--updates-per-batch {args.updates_per_batch}: must be between 1 and the "
+                     f"{paper_settings()['batch_groups']} groups of a batch")
     label, _ = plan_memory.settings(args.model)
     p = Problem(label, args.model, args.gpus, args.lora, args.rollout_speed, args.rollout_gpus, args.runtime,
-                args.gpus_per_node)
+                args.gpus_per_node, updates_per_batch=args.updates_per_batch)
     plans, rejected = best(p, top=args.top)
     where = (f"{args.gpus} GPUs" + (f", rollout at {args.rollout_speed:g}x H200" if args.rollout_speed != 1 else
                                    " (H200)"))
-    print(f"# plan: {label} on {where}, {'LoRA' if args.lora else 'full fine-tuning (FSDP)'}; runtime model: "
+    print(f"# plan: {label} on {where}, {'LoRA' if args.lora else 'full fine-tuning (FSDP)'}, M = {p.updates} "
+          f"update{'s' if p.updates > 1 else ''} per batch; runtime model: "
           f"{args.runtime} {RUNTIMES[args.runtime] or '(packs per fragment, TAG by whole groups)'}")
     print("# rejected: " + (", ".join(f"{n} ({why})" for why, n in rejected.items()) or "none"))
     if not plans:

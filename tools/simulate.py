@@ -19,10 +19,12 @@ Issue 25's two runtime changes are Workload options of this one model (defaults:
   tsp_span    packs span fragments: a trainer's pairs of consecutive fragments fill the same packs and a
               pack trains once every trainer can fill it (sim_model.spanning_passes); only the step's last
               pack is padded. Off: each fragment is padded to whole packs (tsp.num_passes).
-  tag_split   "trajectories": the predictor runs in units of trajectories, so the leader may claim part
-              of a group, split over the K trainers by trajectories; "groups": whole groups, split by
-              groups (a trainer without a share idles); "group-claims": whole groups, split by
-              trajectories (the runtime's TAG since issue 25: tag.Assistant with group_size G).
+  tag_split   "group-claims": whole groups, split over the K trainers by trajectories (the runtime's TAG
+              since issue 25: tag.Assistant with group_size G; tools/plan.py and bench.py simulate it);
+              "groups": whole groups, split by groups (a trainer without a share idles: the runtime before
+              issue 25); "trajectories": a what-if no runtime does: the predictor runs in units of
+              trajectories, so the leader may claim part of a group, split by trajectories
+              (tools/paper_scale.py prints it beside the runtime's, to show what it would buy).
 Colocated: every rank generates its static share of fragments, then trains it; "colocated-real"
 also pays `costs.switch_s` per step (offload/reload and weight sync, see paper_scale.py).
 Several steps are simulated; the report is the steady-state mean (warm-up and last step excluded).
