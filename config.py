@@ -18,7 +18,7 @@ import presets
 from infra.saved_config import renamed_fields
 
 MODES = {
-    # mode: (placement, gap, tsp, tag, async)
+    # mode: (placement, gap, tsp, tag, tcss)
     "digenrl": ("disaggregated", True, True, True, True),
     "colocated": ("colocated", False, False, False, False),
     "naive": ("disaggregated", False, False, False, False),

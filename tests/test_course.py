@@ -132,7 +132,7 @@ def gain(costs, cluster, wl, num_steps) -> float:
     """The page's definition: 1 - DigenRL's simulated step time / the same without TAG."""
     w = dataclasses.replace(wl, num_steps=num_steps)
     return 1 - (simulate.simulate("digenrl", costs, cluster, w).step_s
-                / simulate.simulate("gap+tsp+async", costs, cluster, w).step_s)
+                / simulate.simulate("gap+tsp+tcss", costs, cluster, w).step_s)
 
 
 def reference_threshold(rank_speed: dict) -> int:

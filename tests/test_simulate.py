@@ -73,7 +73,7 @@ def test_several_updates_per_batch_by_hand():
     assert steps[0].step_s == pytest.approx(4 * 0.24 + 0.01 + 0.05)  # DigenRL: training-bound, TCSS hides generation
 
 
-# Every mode's mechanisms, written out by hand (placement, gap, tsp, tag, async): the README's table of modes.
+# Every mode's mechanisms, written out by hand (placement, gap, tsp, tag, tcss): the README's table of modes.
 MECHANISMS = {"colocated": ("colocated", False, False, False, False),
               "naive": ("disaggregated", False, False, False, False),
               "gap": ("disaggregated", True, False, False, False),
@@ -89,7 +89,7 @@ def test_modes_are_the_documented_mechanism_mixes():
     assert sim.MODES == MECHANISMS
     assert config.MODES == {name: MECHANISMS[name] for name in ("digenrl", "colocated", "naive")}
     assert sim.mechanisms("tsp+gap") == MECHANISMS["gap+tsp"]  # order-free
-    assert sim.mechanisms("gap+async") == ("disaggregated", True, False, False, True)
+    assert sim.mechanisms("gap+tcss") == sim.mechanisms("gap+async") == ("disaggregated", True, False, False, True)
     assert sim.mechanisms(sim.REAL_COLOCATED) == MECHANISMS["colocated"]
     with pytest.raises(ValueError, match="unknown mode"):
         sim.mechanisms("gap+fast")
@@ -117,7 +117,7 @@ def test_tag_acts_under_tcss_when_generation_is_the_bottleneck():
     costs = _costs(f=0.03, b=0.01, publish=0.01, optimizer=1.0)
     wl = sim.Workload(groups=4, group_size=4, num_steps=5, train_steps=3, fragment_groups=2, steps=8)
     full = sim.simulate("digenrl", costs, ONE_EACH, wl)
-    no_tag = sim.simulate("gap+tsp+async", costs, ONE_EACH, wl)
+    no_tag = sim.simulate("gap+tsp+tcss", costs, ONE_EACH, wl)
     assert full.tag_groups > 0.5 and full.step_s < 0.9 * no_tag.step_s
 
 
@@ -221,7 +221,7 @@ def test_sweep_simulates_each_value_of_one_workload_field(tmp_path, capsys):
     path.write_text(json.dumps({"costs": costs.__dict__, "workload": wl.__dict__,
                                 "cluster": ONE_EACH.__dict__}))
     out = tmp_path / "sweep.json"
-    modes = ["gap+tsp+async", "digenrl"]
+    modes = ["gap+tsp+tcss", "digenrl"]
     assert sim.main(["--costs", str(path), "--modes", ",".join(modes), "--sweep", "num_steps=4,12",
                      "--steps", "8", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())

@@ -259,10 +259,10 @@ def check_gap(bench_dir: str, off: str = "naive", on: str = "gap") -> bool:
 
 # --- assignment 5: where TAG starts to help next to TCSS -------------------------------------
 def tag_gain(costs, cluster, wl) -> float:
-    """1 - DigenRL's simulated step time / the same without TAG (gap+tsp+async)."""
+    """1 - DigenRL's simulated step time / the same without TAG (gap+tsp+tcss)."""
     from tools import simulate
     with_tag = simulate.simulate("digenrl", costs, cluster, wl).step_s
-    return 1 - with_tag / simulate.simulate("gap+tsp+async", costs, cluster, wl).step_s
+    return 1 - with_tag / simulate.simulate("gap+tsp+tcss", costs, cluster, wl).step_s
 
 
 def check_tag(costs_path: str, num_steps: int, rank_speed: str | None = None) -> bool:

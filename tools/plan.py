@@ -119,7 +119,7 @@ def evaluate(p: Problem, c: Candidate, memory_cache, seen: dict) -> Plan | None:
     ok, peaks, _ = admissible(p, c, memory_cache)
     plan = None
     if ok:
-        mode = "digenrl" if c.tag else "gap+tsp+async"
+        mode = "digenrl" if c.tag else "gap+tsp+tcss"
         rep = simulate(mode, p.costs(c.fragment_groups), p.cluster(c.rollout_ranks), p.workload(c))
         plan = Plan(c, rep, peaks)
     seen[c] = plan

@@ -58,17 +58,18 @@ REAL_COLOCATED = "colocated-real"  # simulator only: colocated plus the measured
 
 
 def mechanisms(mode: str) -> tuple:
-    """(placement, gap, tsp, tag, async) of a mode: config.MODES' presets, a '+'-joined mix of
-    gap/tsp/tag/async (disaggregated), or colocated-real (colocated's mechanisms)."""
+    """(placement, gap, tsp, tag, tcss) of a mode: config.MODES' presets, a '+'-joined mix of
+    gap/tsp/tag/tcss (disaggregated; "async" is accepted for tcss, as main.py's --async), or
+    colocated-real (colocated's mechanisms)."""
     if mode == REAL_COLOCATED:
         return config.MODES["colocated"]
     if mode in config.MODES:
         return config.MODES[mode]
-    names = {"gap": "gap", "tsp": "tsp", "tag": "tag", "async": "use_tcss"}
+    names = {"gap": "gap", "tsp": "tsp", "tag": "tag", "tcss": "use_tcss", "async": "use_tcss"}
     parts = mode.split("+")
     if any(p not in names for p in parts):
         raise ValueError(f"unknown mode {mode!r}: one of {', '.join(config.MODES)}, "
-                         f"{REAL_COLOCATED}, or a '+'-joined mix of {', '.join(names)}")
+                         f"{REAL_COLOCATED}, or a '+'-joined mix of gap, tsp, tag, tcss")
     on = {names[p] for p in parts}
     return ("disaggregated",) + tuple(f in on for f in config.MECHANISM_FIELDS[1:])
 
