@@ -1,10 +1,14 @@
-"""Process groups and the two communication planes: the rules that make the GPU path the tested path.
+"""Process groups and the two communication planes: the rules that make the GPU path the tested
+path.
 
     groups = comm.build_groups(rank, world, "disaggregated", rollout_ranks=1)
-    groups.compute      # trainers, default backend (NCCL on GPUs): gradients and FSDP2, main thread only
+    groups.compute      # trainers, default backend (NCCL on GPUs): gradients and FSDP2, main
+                        # thread only
     groups.trainer_data # trainers, gloo: commands, fragment broadcast, TAG shares, metrics
-    groups.publish      # trainer leader + rollout ranks, gloo: weights (received by a mailbox thread)
-    groups.world_data   # every rank, gloo: fragments point to point, trace gathering, the last barrier
+    groups.publish      # trainer leader + rollout ranks, gloo: weights (received by a mailbox
+                        # thread)
+    groups.world_data   # every rank, gloo: fragments point to point, trace gathering, the last
+                        # barrier
 
 The rules (docs/DESIGN.md section 4; tests/test_comm_contract.py enforces them on CPU):
 1. Data plane: everything that crosses between rollout and trainer, every control message, metric
@@ -22,9 +26,10 @@ The rules (docs/DESIGN.md section 4; tests/test_comm_contract.py enforces them o
 5. Collectives have no deadline (`NO_DEADLINE`): a step may take many minutes. A dead or frozen rank
    is found by infra/liveness.py (heartbeats in the store) instead, within --timeout-s.
 
-NCCL is the default backend when every compute-plane rank has a GPU of its own: the ranks exchange the
-identity of the GPU each will use (its UUID) through the store, so 1 x 8, 2 x 8 and one visible GPU per
-process (SLURM --gpus-per-task=1: device_count() is 1 everywhere) all give NCCL, and ranks sharing a GPU gloo.
+NCCL is the default backend when every compute-plane rank has a GPU of its own: the ranks exchange
+the identity of the GPU each will use (its UUID) through the store, so 1 x 8, 2 x 8 and one visible
+GPU per process (SLURM --gpus-per-task=1: device_count() is 1 everywhere) all give NCCL, and ranks
+sharing a GPU gloo.
 """
 from __future__ import annotations
 
@@ -36,20 +41,25 @@ import socket
 import torch
 import torch.distributed as dist
 
-# A collective waits as long as its peers are alive; liveness (not a deadline) ends a job whose rank died.
+# A collective waits as long as its peers are alive; liveness (not a deadline) ends a job whose rank
+# died.
 NO_DEADLINE = datetime.timedelta(days=7)
 DATA_PLANE = "data"
 COMPUTE_PLANE = "compute"
 
 
-def choose_backend(use_cuda: bool, compute_devices: list[str], requested: str = "auto") -> tuple[str, str]:
-    """The default (compute-plane) backend and why: NCCL when every rank of the compute plane has a GPU of its own.
+def choose_backend(use_cuda: bool, compute_devices: list[str],
+                   requested: str = "auto") -> tuple[str, str]:
+    """The default (compute-plane) backend and why: NCCL when every rank of the compute plane has a
+    GPU of its own.
 
-    `compute_devices`: one identity per compute-plane rank (trainers; every rank when colocated) of the GPU
-    it will use (`device_identity`), gathered from all ranks. NCCL refuses two ranks on one GPU, so equal
-    identities mean gloo. How many GPUs a process *sees* says nothing: SLURM `--gpus-per-task=1` or a
-    Kubernetes pod shows each process one GPU (device_count() 1) although every rank has its own.
-    `requested` "nccl" forces NCCL (e.g. two ranks on one GPU whose NCCL groups hold one rank each)."""
+    `compute_devices`: one identity per compute-plane rank (trainers; every rank when colocated) of
+    the GPU it will use (`device_identity`), gathered from all ranks. NCCL refuses two ranks on one
+    GPU, so equal identities mean gloo. How many GPUs a process *sees* says nothing: SLURM
+    `--gpus-per-task=1` or a Kubernetes pod shows each process one GPU (device_count() 1) although
+    every rank has its own.
+    `requested` "nccl" forces NCCL (e.g. two ranks on one GPU whose NCCL groups hold one rank
+    each)."""
     if requested not in ("auto", "nccl", "gloo"):
         raise ValueError(f"--backend {requested!r} is not one of auto, nccl, gloo")
     if requested != "auto":
@@ -60,14 +70,16 @@ def choose_backend(use_cuda: bool, compute_devices: list[str], requested: str = 
         return "gloo", "no CUDA device"
     shared = len(compute_devices) - len(set(compute_devices))
     if shared:
-        return "gloo", (f"{len(compute_devices)} compute-plane ranks share {len(set(compute_devices))} GPU(s): "
+        return "gloo", (f"{len(compute_devices)} compute-plane ranks share "
+                        f"{len(set(compute_devices))} GPU(s): "
                         "NCCL needs one GPU per rank (gloo with CUDA tensors is much slower)")
     return "nccl", f"each of the {len(compute_devices)} compute-plane ranks has a GPU of its own"
 
 
 def device_identity(uuid: str | None, host: str, visible_devices: str | None, index: int) -> str:
-    """Which physical GPU `cuda:index` of this process is: its UUID when the driver reports one, else the host
-    and the index CUDA_VISIBLE_DEVICES maps it to (each process may see a different one as cuda:0)."""
+    """Which physical GPU `cuda:index` of this process is: its UUID when the driver reports one,
+    else the host and the index CUDA_VISIBLE_DEVICES maps it to (each process may see a different
+    one as cuda:0)."""
     if uuid:
         return str(uuid)
     visible = [v.strip() for v in visible_devices.split(",")] if visible_devices else []
@@ -91,33 +103,39 @@ def gather_device_identities(store, rank: int, world: int, mine: str) -> list[st
     return [store.get(k).decode() for k in keys]
 
 
-def loopback_data_plane(env, resolve=socket.gethostbyname, hostname=socket.gethostname) -> str | None:
-    """A warning when gloo (the data plane) would bind a loopback address while the world spans several hosts.
+def loopback_data_plane(env, resolve=socket.gethostbyname,
+                        hostname=socket.gethostname) -> str | None:
+    """A warning when gloo (the data plane) would bind a loopback address while the world spans
+    several hosts.
 
-    Without GLOO_SOCKET_IFNAME, gloo binds the address this host's name resolves to, and stock Ubuntu maps the
-    hostname to 127.0.1.1 in /etc/hosts: peers on other hosts are then told to connect to a loopback address
-    and the first cross-host send never arrives. (NCCL picks its own interface; NCCL_SOCKET_IFNAME pins it.)"""
-    world, local = int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", 1)))
+    Without GLOO_SOCKET_IFNAME, gloo binds the address this host's name resolves to, and stock
+    Ubuntu maps the hostname to 127.0.1.1 in /etc/hosts: peers on other hosts are then told to
+    connect to a loopback address and the first cross-host send never arrives. (NCCL picks its own
+    interface; NCCL_SOCKET_IFNAME pins it.)"""
+    world, local = (int(env.get("WORLD_SIZE", 1)),
+                    int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", 1))))
     if world <= local or env.get("GLOO_SOCKET_IFNAME"):
         return None  # one host, or the interface is pinned
     name = hostname()
     try:
         address = resolve(name)
     except OSError as error:
-        return (f"the hostname {name!r} does not resolve ({error}): gloo cannot pick an address for the data plane; "
-                "set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) to the interface that reaches the other hosts, "
-                "e.g. GLOO_SOCKET_IFNAME=eth0")
+        return (f"the hostname {name!r} does not resolve ({error}): gloo cannot pick an address "
+                "for the data plane; set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) to the "
+                "interface that reaches the other hosts, e.g. GLOO_SOCKET_IFNAME=eth0")
     if address.startswith("127.") or address == "::1":
-        return (f"this job spans several hosts ({world} ranks, {local} per host) but the hostname {name!r} resolves "
-                f"to the loopback address {address}: gloo (the data plane: fragments, weights, commands) would bind "
-                "it and ranks on other hosts could not connect. Set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) to "
-                "the interface that reaches the other hosts, e.g. GLOO_SOCKET_IFNAME=eth0 (`ip -br addr` lists them)")
+        return (f"this job spans several hosts ({world} ranks, {local} per host) but the hostname "
+                f"{name!r} resolves to the loopback address {address}: gloo (the data plane: "
+                "fragments, weights, commands) would bind it and ranks on other hosts could not "
+                "connect. Set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) to the interface that "
+                "reaches the other hosts, e.g. GLOO_SOCKET_IFNAME=eth0 (`ip -br addr` lists them)")
     return None
 
 
 @dataclasses.dataclass
 class Groups:
-    """This rank's place in the rank grid and the groups it talks on (None where it is not a member)."""
+    """This rank's place in the rank grid and the groups it talks on (None where it is not a
+    member)."""
 
     rank: int
     world: int
@@ -166,8 +184,9 @@ def role_of(placement: str, rollout_ranks: int, rank: int, world: int) -> str:
 
 
 def build_groups(rank: int, world: int, placement: str, rollout_ranks: int) -> Groups:
-    """Every rank calls this with the same arguments: torch.distributed needs all ranks in every new_group,
-    in the same order. At world size 1 there are no groups and every collective helper is a no-op."""
+    """Every rank calls this with the same arguments: torch.distributed needs all ranks in every
+    new_group, in the same order. At world size 1 there are no groups and every collective helper is
+    a no-op."""
     if placement == "colocated" or world == 1:
         rollout, trainers = list(range(world)), list(range(world))
     else:
@@ -177,7 +196,8 @@ def build_groups(rank: int, world: int, placement: str, rollout_ranks: int) -> G
         return groups
 
     def new(ranks, plane, backend):
-        group = dist.new_group(ranks, timeout=NO_DEADLINE, backend=backend, group_desc=f"{plane}:{len(ranks)}")
+        group = dist.new_group(ranks, timeout=NO_DEADLINE, backend=backend,
+                               group_desc=f"{plane}:{len(ranks)}")
         if group is not None and rank in ranks:
             return group
         return None

@@ -1,4 +1,5 @@
-"""The one Config dataclass (every field has a help string stating its trade-off), argparse, and validation.
+"""The one Config dataclass (every field has a help string stating its trade-off), argparse, and
+validation.
 
 Validation runs before any rank is spawned: a bad value exits with a message naming it and what is
 allowed. `python main.py --help` prints every field.
@@ -33,136 +34,163 @@ def field(default, help_text, **kw):
 @dataclasses.dataclass
 class Config:
     # what to train
-    model: Optional[str] = field(None, "model family: flux, qwenimage, wan, hunyuanvideo, sd3; unset = the family "
-                                 "--pretrained's model_index.json names, else flux")
-    pretrained: Optional[str] = field(None, "local diffusers pipeline directory; unset = the tiny offline "
-                                      "pipeline (built once into the cache)")
-    cache_dir: Optional[str] = field(None, "where tiny pipelines are built (default ~/.cache/digenrl or "
-                                     "$DIGENRL_CACHE)")
-    reward: str = field("color", "reward spec, name=weight list, e.g. color=1.0,jpeg_compressibility=0.1, or my.py:fn "
-                        "(fn(images, prompts[, metadata]) -> scores | (scores, info))")
+    model: Optional[str] = field(None, "model family: flux, qwenimage, wan, hunyuanvideo, sd3; "
+                                 "unset = the family --pretrained's model_index.json names, else "
+                                 "flux")
+    pretrained: Optional[str] = field(None, "local diffusers pipeline directory; unset = the tiny "
+                                      "offline pipeline (built once into the cache)")
+    cache_dir: Optional[str] = field(None, "where tiny pipelines are built (default "
+                                     "~/.cache/digenrl or $DIGENRL_CACHE)")
+    reward: str = field("color", "reward spec, name=weight list, e.g. "
+                        "color=1.0,jpeg_compressibility=0.1, or my.py:fn (fn(images, prompts[, "
+                        "metadata]) -> scores | (scores, info))")
     clip_path: Optional[str] = field(None, "local CLIP directory for the clip_score reward")
-    pickscore_path: Optional[str] = field(None, "local PickScore_v1 CLIPModel directory for the pickscore reward "
-                                          "(Flow-GRPO's: logit / 26)")
-    pickscore_processor_path: Optional[str] = field(None, "local CLIPProcessor directory for pickscore "
-                                                    "(Flow-GRPO loads CLIP-ViT-H-14's); unset = --pickscore-path")
-    remote_url: Optional[str] = field(None, "http(s) URL of a reward server for the remote reward; several remote "
-                                      "rewards (--reward remote:geneval=1,remote:deqa=0.5): NAME=URL,NAME=URL. Each "
+    pickscore_path: Optional[str] = field(None, "local PickScore_v1 CLIPModel directory for "
+                                          "the pickscore reward (Flow-GRPO's: logit / 26)")
+    pickscore_processor_path: Optional[str] = field(None, "local CLIPProcessor directory for "
+                                                    "pickscore (Flow-GRPO loads CLIP-ViT-H-14's); "
+                                                    "unset = --pickscore-path")
+    remote_url: Optional[str] = field(None, "http(s) URL of a reward server for the remote reward; "
+                                      "several remote rewards (--reward "
+                                      "remote:geneval=1,remote:deqa=0.5): NAME=URL,NAME=URL. Each "
                                       "server gets one check request before any rank starts")
     # remote reward server (rewards/remote.py)
-    remote_protocol: str = field("json", "json (base64 PNGs in JSON) or flow_grpo (Flow-GRPO's reward servers: pickled "
-                                 "JPEG batches with prompts and metadata, answers unpickled restricted to plain data); "
-                                 "per remote:NAME reward: NAME=VALUE,...")
-    remote_score_key: str = field("scores", "key of the server's answer holding the scores: scores (GenEval-style), "
-                                  "outputs (DeQA / UnifiedReward-style); per remote:NAME reward: NAME=KEY,...")
-    remote_timeout_s: float = field(30.0, "per request: longer tolerates a slow server, shorter retries a hung "
-                                    "one sooner")
-    remote_retries: int = field(7, "retries after the first attempt (timeouts, connection errors, HTTP 5xx), with "
-                                "exponential backoff capped at 15 s: the default 7 wait 1, 2, 4, 8, 15, 15, 15 s "
-                                "(about a minute), riding out a server restart; more rides out longer outages, but a "
-                                "dead server takes longer to fail the run")
-    remote_batch_size: int = field(64, "images per request (Flow-GRPO: 64): larger = fewer round trips, bigger "
-                                   "requests")
-    remote_frames: str = field("all", "videos: all (every frame sent as an image, scores averaged over frames) or "
-                               "middle (only the middle frame: F times cheaper, blind to motion)")
-    prompt_file: Optional[str] = field(None, "prompts: a Flow-GRPO dataset folder (train/test .txt or _metadata.jsonl; "
-                                       "evaluates on test) or a text file, one prompt per line (every ~10th line held "
-                                       "out, at most 8); unset = the colour task's prompts")
-    eval_prompts: int = field(8, "evaluation uses the first N training prompts (on held-out noises) and the first N "
-                              "held-out prompts (0 = all): more = a less noisy eval_reward, each costs eval_seeds "
-                              "deterministic generations per evaluation")
+    remote_protocol: str = field("json", "json (base64 PNGs in JSON) or flow_grpo (Flow-GRPO's "
+                                 "reward servers: pickled JPEG batches with prompts and metadata, "
+                                 "answers unpickled restricted to plain data); per remote:NAME "
+                                 "reward: NAME=VALUE,...")
+    remote_score_key: str = field("scores", "key of the server's answer holding the scores: scores "
+                                  "(GenEval-style), outputs (DeQA / UnifiedReward-style); per "
+                                  "remote:NAME reward: NAME=KEY,...")
+    remote_timeout_s: float = field(30.0, "per request: longer tolerates a slow server, shorter "
+                                    "retries a hung one sooner")
+    remote_retries: int = field(7, "retries after the first attempt (timeouts, connection errors, "
+                                "HTTP 5xx), with exponential backoff capped at 15 s: the default 7 "
+                                "wait 1, 2, 4, 8, 15, 15, 15 s (about a minute), riding out "
+                                "a server restart; more rides out longer outages, but a dead "
+                                "server takes longer to fail the run")
+    remote_batch_size: int = field(64, "images per request (Flow-GRPO: 64): larger = fewer round "
+                                   "trips, bigger requests")
+    remote_frames: str = field("all", "videos: all (every frame sent as an image, scores averaged "
+                               "over frames) or middle (only the middle frame: F times cheaper, "
+                               "blind to motion)")
+    prompt_file: Optional[str] = field(None, "prompts: a Flow-GRPO dataset folder (train/test .txt "
+                                       "or _metadata.jsonl; evaluates on test) or a text file, one "
+                                       "prompt per line (every ~10th line held out, at most 8); "
+                                       "unset = the colour task's prompts")
+    eval_prompts: int = field(8, "evaluation uses the first N training prompts (on held-out "
+                              "noises) and the first N held-out prompts (0 = all): more = a less "
+                              "noisy eval_reward, each costs eval_seeds deterministic generations "
+                              "per evaluation")
     # placement and mechanisms
-    mode: Optional[str] = field(None, "digenrl (all four mechanisms; the default), colocated, naive; explicit "
-                                "--placement/--gap/... flags instead give a custom mix")
-    placement: Optional[str] = field(None, "colocated (every rank generates then trains) or disaggregated "
-                                     "(separate rollout and trainer ranks)")
-    nproc: int = field(2, "ranks to self-spawn when not under torchrun; more ranks = more throughput, more memory")
-    rollout_ranks: int = field(1, "R: rollout ranks in the disaggregated placement; the other P - R ranks train")
-    gap: Optional[bool] = field(None, "GAP: train fragments as they arrive instead of after the whole batch")
-    tsp: Optional[bool] = field(None, "TSP: spread each fragment's (sample, timestep) pairs over all trainers in "
-                                "packed forwards")
-    tsp_pack: Optional[int] = field(None, "pairs per forward under TSP: larger = fewer, bigger passes (less per-call "
-                                    "overhead, better GPU use), more activation memory; unset = 4 with --pretrained, "
-                                    "20 for the tiny pipelines (on a CPU per-call overhead dominates; 20 divides the "
-                                    "default fragment's 40 pairs, so no padding pairs)")
-    tsp_span: bool = field(True, "TSP packs span fragments: a trainer's pairs of consecutive fragments fill the "
-                                 "same packs, padded once per update, not once per fragment (fewer wasted "
-                                 "passes when K * pack does not divide a fragment's pairs); --no-tsp-span packs "
-                                 "each fragment alone (the reference)")
-    tag: Optional[bool] = field(None, "TAG: an idle trainer generates fragments itself when the predictor says "
-                                "the step ends sooner")
-    use_tcss: Optional[bool] = field(None, "TCSS: rollout may generate the next batch with weights one version "
-                                      "old (--async is accepted too)", flag="tcss", aliases=("async",))
-    max_stale_fragments: Optional[int] = field(None, "j: at most this many fragments per step generated one "
-                                               "version stale (TCSS); unset = one per rollout rank. Larger hides "
-                                               "more of the weight round trip, but more of each batch is trained "
-                                               "off-policy")
-    fsdp: bool = field(False, "shard the trainer transformer with FSDP2 over the trainer group (needs --tsp)")
-    fragment_groups: int = field(1, "groups per fragment: smaller = finer pipelining, more messages and smaller "
-                                 "forwards")
-    rank_speed: Optional[str] = field(None, "BENCHMARK EMULATION ONLY (infra/emulate.py): RANK=FACTOR,... e.g. 0=0.5 "
-                                      "runs rank 0's generation and training at half speed by sleeping; emulates "
-                                      "heterogeneous GPUs on one machine, costs wall time, never use it to train")
+    mode: Optional[str] = field(None, "digenrl (all four mechanisms; the default), colocated, "
+                                "naive; explicit --placement/--gap/... flags instead give a custom "
+                                "mix")
+    placement: Optional[str] = field(None, "colocated (every rank generates then trains) or "
+                                     "disaggregated (separate rollout and trainer ranks)")
+    nproc: int = field(2, "ranks to self-spawn when not under torchrun; more ranks = more "
+                       "throughput, more memory")
+    rollout_ranks: int = field(1, "R: rollout ranks in the disaggregated placement; the other "
+                               "P - R ranks train")
+    gap: Optional[bool] = field(None, "GAP: train fragments as they arrive instead of after "
+                                "the whole batch")
+    tsp: Optional[bool] = field(None, "TSP: spread each fragment's (sample, timestep) pairs over "
+                                "all trainers in packed forwards")
+    tsp_pack: Optional[int] = field(None, "pairs per forward under TSP: larger = fewer, bigger "
+                                    "passes (less per-call overhead, better GPU use), more "
+                                    "activation memory; unset = 4 with --pretrained, 20 for "
+                                    "the tiny pipelines (on a CPU per-call overhead dominates; 20 "
+                                    "divides the default fragment's 40 pairs, so no padding pairs)")
+    tsp_span: bool = field(True, "TSP packs span fragments: a trainer's pairs of consecutive "
+                                 "fragments fill the same packs, padded once per update, not once "
+                                 "per fragment (fewer wasted passes when K * pack does not divide "
+                                 "a fragment's pairs); --no-tsp-span packs each fragment alone "
+                                 "(the reference)")
+    tag: Optional[bool] = field(None, "TAG: an idle trainer generates fragments itself when "
+                                "the predictor says the step ends sooner")
+    use_tcss: Optional[bool] = field(
+        None, "TCSS: rollout may generate the next batch with weights one version old (--async is "
+        "accepted too)", flag="tcss", aliases=("async",))
+    max_stale_fragments: Optional[int] = field(
+        None, "j: at most this many fragments per step generated one version stale (TCSS); "
+        "unset = one per rollout rank. Larger hides more of the weight round trip, but more of "
+        "each batch is trained off-policy")
+    fsdp: bool = field(False, "shard the trainer transformer with FSDP2 over the trainer group "
+                       "(needs --tsp)")
+    fragment_groups: int = field(1, "groups per fragment: smaller = finer pipelining, more "
+                                 "messages and smaller forwards")
+    rank_speed: Optional[str] = field(None, "BENCHMARK EMULATION ONLY (infra/emulate.py): "
+                                      "RANK=FACTOR,... e.g. 0=0.5 runs rank 0's generation and "
+                                      "training at half speed by sleeping; emulates heterogeneous "
+                                      "GPUs on one machine, costs wall time, never use it to train")
     # the RL problem size
     steps: int = field(200, "RL steps (optimizer steps)")
     prompts_per_step: int = field(3, "B: prompts (groups) per step")
-    group_size: Optional[int] = field(None, "G: samples per prompt; larger = better advantage estimates, more "
-                                      "compute; unset = the published setting with --pretrained (presets.py: "
-                                      "FLUX 24, Qwen-Image 16, ...), 8 for the tiny pipelines")
-    num_steps: Optional[int] = field(None, "T: SDE sampling steps per trajectory; more = better samples, T forwards "
-                                     "per trajectory; unset = the published setting with --pretrained "
-                                     "(presets.py: FLUX 6, Qwen-Image 10, Wan 20), 6 for the tiny pipelines")
-    timestep_fraction: Optional[float] = field(None, "share of the sampling steps that are trained, by the "
-                                               "references' formulas: flow_grpo T_train = int(T * f), the first "
-                                               "steps; dance_grpo int((T - 1) * f) random steps, never the last; "
-                                               "unset = 0.99 for flow_grpo (Flow-GRPO's configs: all but the last "
-                                               "step), 0.6 for dance_grpo (DanceGRPO's scripts; presets.py). Smaller "
-                                               "= cheaper training, noisier gradient")
-    noise_level: Optional[float] = field(None, "SDE noise level a (Flow-GRPO) or eta (DanceGRPO): more "
-                                         "exploration, lower image quality; unset = the published setting with "
-                                         "--pretrained (presets.py: Flow-GRPO FLUX 0.9, Qwen-Image 1.2, Wan 0.7), "
-                                         "0.5 for the tiny pipelines (measured: at 0.7 the tiny video models "
-                                         "barely learned the colour task in 200 steps, the added noise decides "
-                                         "their colours)")
-    algo: str = field("flow_grpo", "flow_grpo (default) or dance_grpo (constant eta, shared group noise, random "
-                      "timestep subset)")
-    resolution: int = field(0, "image height in pixels (and width, unless --width); larger = finer images, "
-                            "quadratically more tokens; 0 = the family's native size with --pretrained (FLUX and "
-                            "Qwen-Image 1024, Wan 480 x 832, HunyuanVideo 720 x 1280), 32 for the tiny pipelines")
-    width: int = field(0, "image width in pixels; 0 = --resolution's (square), or the native width with "
-                       "--pretrained; FLUX and Qwen-Image are square only")
-    frames: int = field(0, "video frames (video families); 0 = the published setting with --pretrained (Wan 33, "
-                        "HunyuanVideo 53: presets.py), the family's tiny default otherwise")
-    guidance: Optional[float] = field(None, "embedded guidance (FLUX, HunyuanVideo) or true-CFG scale "
-                                      "(Qwen-Image, Wan); unset = the published setting with --pretrained "
-                                      "(presets.py), the family default for the tiny pipelines")
-    train_cfg: bool = field(True, "the training forward runs classifier-free guidance as the rollout did "
-                            "(Flow-GRPO's train.cfg); --no-train-cfg scores the conditional branch alone: "
-                            "half the training FLOPs of a true-CFG family, but pairs scored against the rollout's "
-                            "recorded log-prob (later minibatches, stale pairs) start with a ratio off 1, "
-                            "since they were sampled with CFG (only for sd3, qwenimage, wan)")
-    text_len: int = field(512, "max text tokens (capped by the tokenizer); longer = slower text encoding, more memory")
-    prompt_cache_size: int = field(64, "distinct prompts whose text embeddings stay cached on the device (least "
-                                   "recently used evicted first): more = fewer text-encoder passes when prompts "
-                                   "repeat, more memory (FLUX T5 at 512 tokens: ~4 MB per prompt in bf16); 0 = "
-                                   "encode every time")
+    group_size: Optional[int] = field(None, "G: samples per prompt; larger = better advantage "
+                                      "estimates, more compute; unset = the published setting with "
+                                      "--pretrained (presets.py: FLUX 24, Qwen-Image 16, ...), 8 "
+                                      "for the tiny pipelines")
+    num_steps: Optional[int] = field(None, "T: SDE sampling steps per trajectory; more = better "
+                                     "samples, T forwards per trajectory; unset = the published "
+                                     "setting with --pretrained (presets.py: FLUX 6, Qwen-Image "
+                                     "10, Wan 20), 6 for the tiny pipelines")
+    timestep_fraction: Optional[float] = field(
+        None, "share of the sampling steps that are trained, by the references' formulas: "
+        "flow_grpo T_train = int(T * f), the first steps; dance_grpo int((T - 1) * f) random "
+        "steps, never the last; unset = 0.99 for flow_grpo (Flow-GRPO's configs: all but the last "
+        "step), 0.6 for dance_grpo (DanceGRPO's scripts; presets.py). Smaller = cheaper training, "
+        "noisier gradient")
+    noise_level: Optional[float] = field(
+        None, "SDE noise level a (Flow-GRPO) or eta (DanceGRPO): more exploration, lower image "
+        "quality; unset = the published setting with --pretrained (presets.py: Flow-GRPO FLUX "
+        "0.9, Qwen-Image 1.2, Wan 0.7), 0.5 for the tiny pipelines (measured: at 0.7 the tiny "
+        "video models barely learned the colour task in 200 steps, the added noise decides their "
+        "colours)")
+    algo: str = field("flow_grpo", "flow_grpo (default) or dance_grpo (constant eta, shared group "
+                      "noise, random timestep subset)")
+    resolution: int = field(0, "image height in pixels (and width, unless --width); larger = finer "
+                            "images, quadratically more tokens; 0 = the family's native size with "
+                            "--pretrained (FLUX and Qwen-Image 1024, Wan 480 x 832, HunyuanVideo "
+                            "720 x 1280), 32 for the tiny pipelines")
+    width: int = field(0, "image width in pixels; 0 = --resolution's (square), or the native width "
+                       "with --pretrained; FLUX and Qwen-Image are square only")
+    frames: int = field(0, "video frames (video families); 0 = the published setting with "
+                        "--pretrained (Wan 33, HunyuanVideo 53: presets.py), the family's tiny "
+                        "default otherwise")
+    guidance: Optional[float] = field(None, "embedded guidance (FLUX, HunyuanVideo) or true-CFG "
+                                      "scale (Qwen-Image, Wan); unset = the published setting with "
+                                      "--pretrained (presets.py), the family default for the tiny "
+                                      "pipelines")
+    train_cfg: bool = field(True, "the training forward runs classifier-free guidance as "
+                            "the rollout did (Flow-GRPO's train.cfg); --no-train-cfg scores "
+                            "the conditional branch alone: half the training FLOPs of a true-CFG "
+                            "family, but pairs scored against the rollout's recorded log-prob "
+                            "(later minibatches, stale pairs) start with a ratio off 1, since they "
+                            "were sampled with CFG (only for sd3, qwenimage, wan)")
+    text_len: int = field(512, "max text tokens (capped by the tokenizer); longer = slower text "
+                          "encoding, more memory")
+    prompt_cache_size: int = field(
+        64, "distinct prompts whose text embeddings stay cached on the device (least recently used "
+        "evicted first): more = fewer text-encoder passes when prompts repeat, more memory (FLUX "
+        "T5 at 512 tokens: ~4 MB per prompt in bf16); 0 = encode every time")
     # optimisation
-    lr: Optional[float] = field(None, "AdamW learning rate; unset = the published setting with --pretrained "
-                                "(presets.py: Flow-GRPO 3e-4 for FLUX LoRA, DanceGRPO 1e-5 full), 3e-3 for the tiny "
-                                "pipelines (tiny full fine-tuning learns at 3e-3)")
-    clip_range: Optional[float] = field(None, "PPO clip range on the averaged log-prob ratio; unset = the published "
-                                        "setting with --pretrained (presets.py: Flow-GRPO 1e-4), 1e-2 for the tiny "
-                                        "pipelines")
-    updates_per_batch: Optional[int] = field(None, "M: optimizer updates per RL step; unset = 2, Flow-GRPO's "
-                                   "(gradient_accumulation_steps = num_batches_per_epoch // 2). The batch's "
-                                   "groups are cut into M "
-                                   "minibatches; every update after the first scores its pairs against the "
-                                   "rollout's log-probs, so the PPO clip acts (with M = 1 a fresh pair's ratio is "
-                                   "1 and the clip never does). More = more learning per sample, smaller "
-                                   "minibatches; weights are still published once per step (1 with "
-                                   "--prompts-per-step 1)")
+    lr: Optional[float] = field(None, "AdamW learning rate; unset = the published setting with "
+                                "--pretrained (presets.py: Flow-GRPO 3e-4 for FLUX LoRA, DanceGRPO "
+                                "1e-5 full), 3e-3 for the tiny pipelines (tiny full fine-tuning "
+                                "learns at 3e-3)")
+    clip_range: Optional[float] = field(None, "PPO clip range on the averaged log-prob ratio; "
+                                        "unset = the published setting with --pretrained "
+                                        "(presets.py: Flow-GRPO 1e-4), 1e-2 for the tiny pipelines")
+    updates_per_batch: Optional[int] = field(
+        None, "M: optimizer updates per RL step; unset = 2, Flow-GRPO's "
+        "(gradient_accumulation_steps = num_batches_per_epoch // 2). The batch's groups are cut "
+        "into M minibatches; every update after the first scores its pairs against the rollout's "
+        "log-probs, so the PPO clip acts (with M = 1 a fresh pair's ratio is 1 and the clip never "
+        "does). More = more learning per sample, smaller minibatches; weights are still published "
+        "once per step (1 with --prompts-per-step 1)")
     max_grad_norm: float = field(1.0, "gradient norm clip")
-    beta: float = field(0.0, "KL weight to the reference policy; >0 costs one more forward per pair")
+    beta: float = field(0.0, "KL weight to the reference policy; >0 costs one more forward per "
+                        "pair")
     adv_clip: float = field(5.0, "advantages are clipped to +-adv_clip")
     per_prompt_stat_tracking: Optional[bool] = field(
         None, "Flow-GRPO's advantage statistics over the whole batch: on = per prompt (its "
@@ -188,74 +216,89 @@ class Config:
         "the step shrinks instead of renormalising) or floor (divide by max(std, "
         "--collapsed-std): their small real signal is kept at its own scale)")
     weight_decay: float = field(0.0, "AdamW weight decay")
-    optimizer: str = field("adamw", "adamw, or sgd (plain gradient descent: the update is exactly -lr x gradient, so "
-                           "two runs' weights differ as their gradients do; the equivalence tests use it)")
-    lora: Optional[bool] = field(None, "LoRA on the transformer (--no-lora trains all weights); unset = off for "
-                                 "tiny pipelines, on for --pretrained")
-    lora_rank: Optional[int] = field(None, "LoRA rank: larger = more capacity and bigger weight publishes; unset = "
-                                     "the family's Flow-GRPO setting (FLUX, Qwen-Image 64; Wan 32) or --init-lora's")
-    lora_alpha: Optional[float] = field(None, "LoRA alpha (scale = alpha / rank); unset = the family's Flow-GRPO "
-                                        "setting (2 x rank) or --init-lora's")
-    lora_targets: Optional[str] = field(None, "flow_grpo (the family's published Flow-GRPO modules: FLUX and "
-                                        "Qwen-Image attention + feed-forward, Wan attention), attention (attention "
-                                        "projections only: fewer parameters), all-linear (every linear in the blocks: "
-                                        "most capacity), or a comma list of module names; models/lora.py. Unset = "
-                                        "--init-lora's target_modules (a peft adapter_config.json, or the LoRA file's "
-                                        "metadata) when it lists them, else flow_grpo")
-    init_lora: Optional[str] = field(None, "start the LoRA from this diffusers LoRA file (or its folder, or a peft "
-                                     "adapter folder as Flow-GRPO saves); its rank and alpha are the defaults")
-    fp32_master: bool = field(True, "full fine-tuning with a bf16 policy: trainers keep fp32 weights, gradients "
-                              "and AdamW state and compute in bf16 under autocast (16 instead of 8 bytes per "
-                              "parameter); --no-fp32-master keeps pure bf16: half the memory, but updates below "
-                              "half a bf16 ulp (lr 1e-5 on typical weights) are lost. No effect with LoRA "
-                              "(adapters are always fp32)")
-    grad_ckpt: bool = field(False, "gradient checkpointing in the trainer: less memory, ~30%% more compute")
-    max_bad_steps: int = field(3, "abort after this many RL steps in a row with a skipped update (non-finite loss or gradient)")
+    optimizer: str = field("adamw", "adamw, or sgd (plain gradient descent: the update is exactly "
+                           "-lr x gradient, so two runs' weights differ as their gradients do; "
+                           "the equivalence tests use it)")
+    lora: Optional[bool] = field(None, "LoRA on the transformer (--no-lora trains all weights); "
+                                 "unset = off for tiny pipelines, on for --pretrained")
+    lora_rank: Optional[int] = field(None, "LoRA rank: larger = more capacity and bigger weight "
+                                     "publishes; unset = the family's Flow-GRPO setting (FLUX, "
+                                     "Qwen-Image 64; Wan 32) or --init-lora's")
+    lora_alpha: Optional[float] = field(None, "LoRA alpha (scale = alpha / rank); "
+                                        "unset = the family's Flow-GRPO setting (2 x rank) or "
+                                        "--init-lora's")
+    lora_targets: Optional[str] = field(
+        None, "flow_grpo (the family's published Flow-GRPO modules: FLUX and Qwen-Image "
+        "attention + feed-forward, Wan attention), attention (attention projections only: fewer "
+        "parameters), all-linear (every linear in the blocks: most capacity), or a comma list of "
+        "module names; models/lora.py. Unset = --init-lora's target_modules (a peft "
+        "adapter_config.json, or the LoRA file's metadata) when it lists them, else flow_grpo")
+    init_lora: Optional[str] = field(None, "start the LoRA from this diffusers LoRA file (or its "
+                                     "folder, or a peft adapter folder as Flow-GRPO saves); its "
+                                     "rank and alpha are the defaults")
+    fp32_master: bool = field(
+        True, "full fine-tuning with a bf16 policy: trainers keep fp32 weights, gradients and "
+        "AdamW state and compute in bf16 under autocast (16 instead of 8 bytes per parameter); "
+        "--no-fp32-master keeps pure bf16: half the memory, but updates below half a bf16 ulp (lr "
+        "1e-5 on typical weights) are lost. No effect with LoRA (adapters are always fp32)")
+    grad_ckpt: bool = field(False, "gradient checkpointing in the trainer: less memory, ~30%% more "
+                            "compute")
+    max_bad_steps: int = field(3, "abort after this many RL steps in a row with a skipped update "
+                               "(non-finite loss or gradient)")
     # machine
     device: str = field("auto", "auto, cpu or cuda")
     dtype: str = field("auto", "auto (bfloat16 on cuda, float32 on cpu), float32 or bfloat16")
     threads: int = field(1, "torch CPU threads per rank")
-    timeout_s: float = field(300.0, "seconds a rank may show no sign of life (no heartbeat), and the whole job no "
-                             "progress (no forward, pack, fragment or tensor anywhere: a hung collective), before "
-                             "the job stops; never bounds a step, which may take minutes. Smaller = a dead or "
-                             "stuck rank is found sooner; it must exceed one forward or pack")
-    backend: str = field("auto", "compute-plane backend: auto (NCCL when every rank of a node has its own GPU, else "
-                         "gloo), nccl, gloo. The data plane is always gloo with CPU tensors (comm.py)")
-    seed: int = field(0, "seed of prompts order and noise: the same seed gives the same trajectories in every mode")
+    timeout_s: float = field(300.0, "seconds a rank may show no sign of life (no heartbeat), and "
+                             "the whole job no progress (no forward, pack, fragment or tensor "
+                             "anywhere: a hung collective), before the job stops; never bounds "
+                             "a step, which may take minutes. Smaller = a dead or stuck rank is "
+                             "found sooner; it must exceed one forward or pack")
+    backend: str = field("auto", "compute-plane backend: auto (NCCL when every rank of a node has "
+                         "its own GPU, else gloo), nccl, gloo. The data plane is always gloo with "
+                         "CPU tensors (comm.py)")
+    seed: int = field(0, "seed of prompts order and noise: the same seed gives the same "
+                      "trajectories in every mode")
     # run directory
     run_name: Optional[str] = field(None, "runs/<run_name>; unset = model-mode-timestamp")
     out_dir: str = field("runs", "parent folder of run directories")
-    eval_every: int = field(10, "deterministic evaluation every N steps and before the first (0 = never); each costs "
-                            "one generation of eval_seeds samples per training and held-out prompt")
-    eval_seeds: Optional[int] = field(None, "evaluation samples per prompt (the same held-out noises for every "
-                                      "prompt): more = a steadier eval_reward and wider eval grids, more time per "
-                                      "evaluation; unset = 8 for the tiny pipelines, 1 with --pretrained")
-    ema: bool = field(False, "evaluate (and save beside the weights) an exponential moving average of the trained "
-                            "weights (Flow-GRPO's train.ema): smoother evaluation of a noisy policy, one more copy "
-                            "of the trainable weights per trainer; sampling always uses the trained weights")
-    ema_decay: float = field(0.9, "the EMA's decay (Flow-GRPO 0.9, warmed up as min((1+u)/(10+u), decay)): higher "
-                                  "= a longer average, slower to follow the policy")
-    ema_every: int = field(8, "EMA update every N optimizer updates (Flow-GRPO's update_step_interval 8): fewer "
-                              "= cheaper, a coarser average")
-    eval_num_steps: Optional[int] = field(None, "denoising steps T of each evaluation sample (Flow-GRPO's "
-                                          "sample.eval_num_steps): more = the score of finer final images, more "
-                                          "time per evaluation; unset = --num-steps")
+    eval_every: int = field(10, "deterministic evaluation every N steps and before the first "
+                            "(0 = never); each costs one generation of eval_seeds samples per "
+                            "training and held-out prompt")
+    eval_seeds: Optional[int] = field(None, "evaluation samples per prompt (the same held-out "
+                                      "noises for every prompt): more = a steadier eval_reward and "
+                                      "wider eval grids, more time per evaluation; unset = 8 for "
+                                      "the tiny pipelines, 1 with --pretrained")
+    ema: bool = field(False, "evaluate (and save beside the weights) an exponential moving average "
+                            "of the trained weights (Flow-GRPO's train.ema): smoother evaluation "
+                            "of a noisy policy, one more copy of the trainable weights per "
+                            "trainer; sampling always uses the trained weights")
+    ema_decay: float = field(0.9, "the EMA's decay (Flow-GRPO 0.9, warmed up as min((1+u)/(10+u), "
+                                  "decay)): higher = a longer average, slower to follow the policy")
+    ema_every: int = field(8, "EMA update every N optimizer updates (Flow-GRPO's "
+                              "update_step_interval 8): fewer = cheaper, a coarser average")
+    eval_num_steps: Optional[int] = field(
+        None, "denoising steps T of each evaluation sample (Flow-GRPO's sample.eval_num_steps): "
+        "more = the score of finer final images, more time per evaluation; unset = --num-steps")
     eval_guidance: Optional[float] = field(None, "guidance of evaluation samples (Flow-GRPO's "
-                                           "sample.guidance_scale at eval); unset = --guidance (the training one)")
+                                           "sample.guidance_scale at eval); unset = --guidance "
+                                           "(the training one)")
     save_every: int = field(50, "checkpoint every N steps (0 = only at the end)")
     keep_checkpoints: int = field(2, "keep the last N checkpoints")
     resume: Optional[str] = field(None, "run directory to resume from its last checkpoint")
-    tensorboard: bool = field(False, "also log metrics and eval images to TensorBoard in the run directory")
-    wandb: bool = field(False, "also log metrics, captioned eval images and the config to Weights & Biases "
-                        "(WANDB_MODE=offline: no network, sync later)")
+    tensorboard: bool = field(False, "also log metrics and eval images to TensorBoard in the run "
+                              "directory")
+    wandb: bool = field(False, "also log metrics, captioned eval images and the config to "
+                        "Weights & Biases (WANDB_MODE=offline: no network, sync later)")
     wandb_project: str = field("digenrl", "W&B project")
     wandb_name: Optional[str] = field(None, "W&B run name; unset = the run directory's name")
-    config: Optional[str] = field(None, "a run's config.json to start from (flags given override it); a new run")
-    trace: Optional[bool] = field(None, "record per-rank spans -> trace.json + timeline.png; unset = on for runs "
-                                  "of <= 200 steps")
+    config: Optional[str] = field(None, "a run's config.json to start from (flags given override "
+                                  "it); a new run")
+    trace: Optional[bool] = field(None, "record per-rank spans -> trace.json + timeline.png; "
+                                  "unset = on for runs of <= 200 steps")
     progress: bool = field(True, "tqdm progress bar on the leader")
-    dry_run: bool = field(False, "validate, print the resolved configuration and the preset in force, and exit "
-                          "without starting any rank")
+    dry_run: bool = field(False, "validate, print the resolved configuration and the preset in "
+                          "force, and exit without starting any rank")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -271,22 +314,27 @@ def build_parser() -> argparse.ArgumentParser:
                                                                *f.metadata.get("aliases", ()))]
         kind = f.type if isinstance(f.type, str) else f.type.__name__
         if kind in ("bool", "Optional[bool]"):
-            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
-                                help=f.metadata["help"])
+            parser.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=f.default, help=f.metadata["help"])
         else:
-            caster = {"int": int, "Optional[int]": int, "float": float, "Optional[float]": float}.get(kind, str)
-            parser.add_argument(*flags, dest=f.name, type=caster, default=f.default, help=f.metadata["help"])
+            caster = {"int": int, "Optional[int]": int, "float": float,
+                      "Optional[float]": float}.get(kind, str)
+            parser.add_argument(*flags, dest=f.name, type=caster, default=f.default,
+                                help=f.metadata["help"])
     return parser
 
 
 def negative_numbers_joined(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
-    """`--lr -1e-4` -> `--lr=-1e-4`: argparse takes a value that starts with '-' for a flag unless it looks like
-    '-1' or '-.5', so '-1e-4' or '-inf' gave "expected one argument" instead of the validation's message."""
-    takes_value = {o for a in parser._actions if a.nargs is None and not isinstance(a, argparse.BooleanOptionalAction)
+    """`--lr -1e-4` -> `--lr=-1e-4`: argparse takes a value that starts with '-' for a flag unless
+    it looks like '-1' or '-.5', so '-1e-4' or '-inf' gave "expected one argument" instead of the
+    validation's message."""
+    takes_value = {o for a in parser._actions
+                   if a.nargs is None and not isinstance(a, argparse.BooleanOptionalAction)
                    for o in a.option_strings}
     out, i = [], 0
     while i < len(argv):
-        if argv[i] in takes_value and i + 1 < len(argv) and argv[i + 1].startswith("-") and _is_number(argv[i + 1]):
+        if (argv[i] in takes_value and i + 1 < len(argv) and argv[i + 1].startswith("-")
+                and _is_number(argv[i + 1])):
             out.append(f"{argv[i]}={argv[i + 1]}")
             i += 2
         else:
@@ -304,7 +352,8 @@ def _is_number(text: str) -> bool:
 
 
 def parse_args(argv=None) -> Config:
-    """Flags, on top of --resume RUN's or --config FILE's saved configuration if given (infra/saved_config.py)."""
+    """Flags, on top of --resume RUN's or --config FILE's saved configuration if given
+    (infra/saved_config.py)."""
     import sys
 
     from infra import saved_config
@@ -314,12 +363,13 @@ def parse_args(argv=None) -> Config:
 
 
 def resolve(cfg: Config, world: int | None = None) -> Config:
-    """Fill the derived defaults (mode -> mechanism flags, LoRA auto, trace auto); returns a new Config. With
-    `world` = 1 (one rank: torchrun's default of one process per node, or --nproc 1) the default mode is
-    colocated: the disaggregated ones need a rollout and a trainer rank."""
+    """Fill the derived defaults (mode -> mechanism flags, LoRA auto, trace auto); returns a new
+    Config. With `world` = 1 (one rank: torchrun's default of one process per node, or --nproc 1)
+    the default mode is colocated: the disaggregated ones need a rollout and a trainer rank."""
     c = dataclasses.replace(cfg)
     given = {name: getattr(c, name) for name in MECHANISM_FIELDS if getattr(c, name) is not None}
-    if c.mode is None and not any(given.values()):  # nothing, or only --no-X flags: DigenRL minus those
+    # nothing, or only --no-X flags: DigenRL minus those
+    if c.mode is None and not any(given.values()):
         c.mode = "colocated" if world == 1 else "digenrl"
     if c.mode is not None:
         if c.mode not in MODES:
@@ -337,7 +387,8 @@ def resolve(cfg: Config, world: int | None = None) -> Config:
     if c.model is None:
         c.model = family_of_pipeline(c.pretrained) or "flux"
     preset = presets.for_run(c.model, c.pretrained is not None, c.algo)
-    sized = {"frames"} | (set() if c.resolution or c.width else {"resolution", "width"})  # a size given: square
+    # a size given: square
+    sized = {"frames"} | (set() if c.resolution or c.width else {"resolution", "width"})
     for name, setting in preset.values.items():  # what no flag set: the published (or tiny) setting
         if getattr(c, name) is None or (name in sized and getattr(c, name) == 0):
             setattr(c, name, setting.value)
@@ -353,7 +404,8 @@ def resolve(cfg: Config, world: int | None = None) -> Config:
         c.lora_targets = lora.default_targets(c.init_lora) if c.lora else "flow_grpo"
     if c.tsp_pack is None:
         c.tsp_pack = 4 if c.pretrained is not None else 20
-    if c.updates_per_batch is None:  # Flow-GRPO: gradient_accumulation_steps = num_batches_per_epoch // 2
+    # Flow-GRPO: gradient_accumulation_steps = num_batches_per_epoch // 2
+    if c.updates_per_batch is None:
         c.updates_per_batch = min(2, c.prompts_per_step)
     if c.eval_seeds is None:
         c.eval_seeds = 1 if c.pretrained is not None else 8
@@ -369,7 +421,8 @@ PIPELINE_FAMILIES = {"FluxPipeline": "flux", "QwenImagePipeline": "qwenimage", "
 
 
 def family_of_pipeline(path: str | None) -> str | None:
-    """The family whose pipeline a local diffusers directory's model_index.json names (None if unknown or remote)."""
+    """The family whose pipeline a local diffusers directory's model_index.json names (None if
+    unknown or remote)."""
     index = os.path.join(path, "model_index.json") if path else ""
     if not os.path.isfile(index):
         return None
@@ -385,7 +438,8 @@ def _bad(message: str):
 
 
 def validate(c: Config, world_size: int) -> None:
-    """Raise ValueError naming the first bad value. Cheap checks only; runs before spawning ranks."""
+    """Raise ValueError naming the first bad value. Cheap checks only; runs before spawning
+    ranks."""
     import models
 
     family = models.get_family(c.model)
@@ -400,19 +454,22 @@ def validate(c: Config, world_size: int) -> None:
 
 
 def _check_numbers(c: Config) -> None:
-    for name in ("steps", "prompts_per_step", "group_size", "fragment_groups", "tsp_pack", "threads",
-                 "keep_checkpoints", "nproc", "eval_seeds") + (("lora_rank",) if c.lora else ()):
+    for name in (("steps", "prompts_per_step", "group_size", "fragment_groups", "tsp_pack",
+                  "threads", "keep_checkpoints", "nproc", "eval_seeds")
+                 + (("lora_rank",) if c.lora else ())):
         if getattr(c, name) < 1:
             _bad(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(c, name)}")
     if c.group_size < 2:
-        _bad(f"--group-size must be >= 2 (advantages compare samples within a group), got {c.group_size}")
+        _bad("--group-size must be >= 2 (advantages compare samples within a group), "
+             f"got {c.group_size}")
     if c.num_steps < 2:
         _bad(f"--num-steps must be >= 2 sampling steps, got {c.num_steps}")
     if not 0 < c.timestep_fraction <= 1:
         _bad(f"--timestep-fraction must be in (0, 1], got {c.timestep_fraction}")
     from rollout import SamplingConfig, num_train_timesteps
     num_train_timesteps(SamplingConfig(num_steps=c.num_steps, noise_level=c.noise_level,
-                                       timestep_fraction=c.timestep_fraction, algo=c.algo))  # T_train >= 1
+                                       timestep_fraction=c.timestep_fraction,
+                                       algo=c.algo))  # T_train >= 1
     for name in ("lr", "clip_range", "max_grad_norm", "timeout_s", "adv_clip"):
         value = getattr(c, name)
         if not (math.isfinite(value) and value > 0):
@@ -420,8 +477,8 @@ def _check_numbers(c: Config) -> None:
     if not (math.isfinite(c.noise_level) and c.noise_level > 0):
         _bad(f"--noise-level must be > 0 for training (the SDE needs noise), got {c.noise_level}")
     if not 1 <= c.updates_per_batch <= c.prompts_per_step:
-        _bad(f"--updates-per-batch must be between 1 and --prompts-per-step {c.prompts_per_step} (a minibatch is "
-             f"whole groups), got {c.updates_per_batch}")
+        _bad(f"--updates-per-batch must be between 1 and --prompts-per-step {c.prompts_per_step} "
+             f"(a minibatch is whole groups), got {c.updates_per_batch}")
     if c.prompt_cache_size < 0:
         _bad(f"--prompt-cache-size must be >= 0 (0 = no cache), got {c.prompt_cache_size}")
     if not 0 <= c.ema_decay < 1 or c.ema_every < 1:
@@ -430,8 +487,10 @@ def _check_numbers(c: Config) -> None:
         _bad(f"--eval-num-steps {c.eval_num_steps} must be >= 1 (or unset: --num-steps)")
     if c.eval_guidance is not None and not c.eval_guidance >= 0:
         _bad(f"--eval-guidance {c.eval_guidance} must be >= 0 (or unset: the training guidance)")
-    if c.beta < 0 or c.max_stale_fragments < 0 or c.eval_every < 0 or c.save_every < 0 or c.max_bad_steps < 1:
-        _bad("--beta, --max-stale-fragments, --eval-every and --save-every must be >= 0 and --max-bad-steps >= 1")
+    if (c.beta < 0 or c.max_stale_fragments < 0 or c.eval_every < 0 or c.save_every < 0
+            or c.max_bad_steps < 1):
+        _bad("--beta, --max-stale-fragments, --eval-every and --save-every must be >= 0 and "
+             "--max-bad-steps >= 1")
 
 
 def _check_choices(c: Config) -> None:
@@ -477,23 +536,24 @@ def _check_model(c: Config, family) -> None:
     if c.eval_prompts < 0:
         _bad(f"--eval-prompts must be >= 0 (0 = all), got {c.eval_prompts}")
     if c.init_lora is not None and c.resume is None:  # a resumed run starts from its checkpoint
-        path = models.resolve_pretrained(c.model, c.pretrained) if c.pretrained else models.tiny_pipeline_path(
-            c.model, c.cache_dir)
-        lora.check_init_lora(c.init_lora, c.lora, c.lora_rank, c.lora_alpha, family, path, c.lora_targets)
+        path = (models.resolve_pretrained(c.model, c.pretrained) if c.pretrained
+                else models.tiny_pipeline_path(c.model, c.cache_dir))
+        lora.check_init_lora(c.init_lora, c.lora, c.lora_rank, c.lora_alpha, family, path,
+                             c.lora_targets)
     if c.resolution and (c.resolution < 16 or c.resolution % 16):
         _bad(f"--resolution must be a multiple of 16 (>= 16), got {c.resolution}")
     if not c.train_cfg and not family.uses_true_cfg:
-        _bad(f"--no-train-cfg: {c.model} is guidance-distilled (one branch, guidance embedded), so there is "
-             "no CFG to drop in training; it applies to sd3, qwenimage and wan")
+        _bad(f"--no-train-cfg: {c.model} is guidance-distilled (one branch, guidance embedded), so "
+             "there is no CFG to drop in training; it applies to sd3, qwenimage and wan")
     if c.width and (c.width < 16 or c.width % 16):
         _bad(f"--width must be a multiple of 16 (>= 16), got {c.width}")
     if c.width and c.width != (c.resolution or family.tiny_resolution) and not family.is_video:
-        _bad(f"--width {c.width} differs from the height {c.resolution or family.tiny_resolution}: {c.model} images "
-             "are square here (use --resolution alone)")
+        _bad(f"--width {c.width} differs from the height {c.resolution or family.tiny_resolution}: "
+             f"{c.model} images are square here (use --resolution alone)")
     named = family_of_pipeline(c.pretrained)
     if named is not None and named != c.model:
-        _bad(f"--model {c.model} but --pretrained {c.pretrained!r} is a {named} pipeline (its model_index.json); "
-             f"pass --model {named} or leave --model out")
+        _bad(f"--model {c.model} but --pretrained {c.pretrained!r} is a {named} pipeline (its "
+             f"model_index.json); pass --model {named} or leave --model out")
 
 
 def _check_logging(c: Config) -> None:
@@ -507,33 +567,37 @@ def _check_logging(c: Config) -> None:
 
 def _check_placement(c: Config, world_size: int) -> None:
     if c.prompts_per_step % c.fragment_groups:
-        _bad(f"--fragment-groups {c.fragment_groups} must divide --prompts-per-step {c.prompts_per_step} "
-             "(a fragment is a whole number of groups and a step a whole number of fragments)")
+        _bad(f"--fragment-groups {c.fragment_groups} must divide --prompts-per-step "
+             f"{c.prompts_per_step} (a fragment is a whole number of groups and a step a whole "
+             "number of fragments)")
     if c.placement not in ("colocated", "disaggregated"):
         _bad(f"--placement {c.placement!r} is not one of colocated, disaggregated")
     if c.placement == "disaggregated":
         if world_size < 2:
-            _bad(f"the disaggregated placement needs at least 2 ranks (one rollout, one trainer); got {world_size}")
+            _bad("the disaggregated placement needs at least 2 ranks (one rollout, one trainer); "
+                 f"got {world_size}")
         if not 1 <= c.rollout_ranks < world_size:
-            _bad(f"--rollout-ranks {c.rollout_ranks} must be between 1 and {world_size - 1} for {world_size} ranks "
-                 "(at least one rank must train)")
+            _bad(f"--rollout-ranks {c.rollout_ranks} must be between 1 and {world_size - 1} for "
+                 f"{world_size} ranks (at least one rank must train)")
     elif any((c.gap, c.tsp, c.tag, c.use_tcss)):
-        _bad("--gap, --tsp, --tag and --tcss need --placement disaggregated (colocated ranks do both jobs)")
+        _bad("--gap, --tsp, --tag and --tcss need --placement disaggregated (colocated ranks do "
+             "both jobs)")
     if c.fsdp and not c.tsp:
-        _bad("--fsdp needs --tsp: FSDP requires every trainer to run the same number of passes, which only TSP "
-             "guarantees")
+        _bad("--fsdp needs --tsp: FSDP requires every trainer to run the same number of passes, "
+             "which only TSP guarantees")
     trainers = world_size - c.rollout_ranks
     if c.fsdp and c.tag and c.fragment_groups < trainers:
-        _bad(f"--fsdp with --tag needs --fragment-groups >= the {trainers} trainer ranks (got {c.fragment_groups}): "
-             "every FSDP rank must run the same forwards, so each trainer generates at least one group of a TAG "
-             "fragment")
+        _bad(f"--fsdp with --tag needs --fragment-groups >= the {trainers} trainer ranks "
+             f"(got {c.fragment_groups}): every FSDP rank must run the same forwards, so each "
+             "trainer generates at least one group of a TAG fragment")
     if c.tag and not (c.gap and c.tsp):
-        _bad("--tag needs --gap and --tsp (the trainer group generates while it waits for streamed fragments, "
-             "then trains them spread over all trainers)")
+        _bad("--tag needs --gap and --tsp (the trainer group generates while it waits for streamed "
+             "fragments, then trains them spread over all trainers)")
 
 
 def _check_inputs(c: Config, family, world_size: int) -> None:
-    """--rank-speed, rewards and prompts (a remote reward server gets one request), --pretrained, the run dir."""
+    """--rank-speed, rewards and prompts (a remote reward server gets one request), --pretrained,
+    the run dir."""
     import models
     import rewards
 
@@ -544,13 +608,15 @@ def _check_inputs(c: Config, family, world_size: int) -> None:
     rewards.check_prompts(c.reward, source.train, "the training prompts")
     rewards.check_prompts(c.reward, source.eval, "the evaluation prompts")
     rewards.check_custom_rewards(c.reward, reward_probe(c, source))
-    rewards.check_remote_servers(c.reward, reward_options(c), reward_probe(c, source))  # one request each
+    rewards.check_remote_servers(c.reward, reward_options(c),  # one request each
+                                 reward_probe(c, source))
     if c.pretrained is not None:
         family.check_pretrained(models.resolve_pretrained(c.model, c.pretrained))
     if c.resume is not None:
         from infra import rundir as runio
         runio.check_resume(c.resume, c)
-    elif c.run_name is not None:  # a new run must not overwrite one (main.py checks again under the run lock)
+    elif c.run_name is not None:
+        # a new run must not overwrite one (main.py checks again under the run lock)
         from infra.runlock import check_new_run
         check_new_run(os.path.join(c.out_dir, c.run_name))
 
@@ -558,10 +624,11 @@ def _check_inputs(c: Config, family, world_size: int) -> None:
 def reward_options(c: Config):
     import rewards
     return rewards.RewardOptions(clip_path=c.clip_path, pickscore_path=c.pickscore_path,
-                                 pickscore_processor_path=c.pickscore_processor_path, remote_url=c.remote_url,
-                                 remote_timeout_s=c.remote_timeout_s,
+                                 pickscore_processor_path=c.pickscore_processor_path,
+                                 remote_url=c.remote_url, remote_timeout_s=c.remote_timeout_s,
                                  remote_retries=c.remote_retries, remote_protocol=c.remote_protocol,
-                                 remote_score_key=c.remote_score_key, remote_batch_size=c.remote_batch_size,
+                                 remote_score_key=c.remote_score_key,
+                                 remote_batch_size=c.remote_batch_size,
                                  remote_frames=c.remote_frames)
 
 
@@ -569,14 +636,17 @@ def prompt_source(c: Config):
     """Train and eval prompts with their metadata (infra/prompts.py); eval cut to --eval-prompts."""
     import rewards
     from infra.prompts import load_prompt_source
-    source = load_prompt_source(c.prompt_file, rewards.color_prompts("train"), rewards.color_prompts("eval"))
+    source = load_prompt_source(c.prompt_file, rewards.color_prompts("train"),
+                                rewards.color_prompts("eval"))
     if c.eval_prompts:
-        source.eval, source.eval_metadata = source.eval[:c.eval_prompts], source.eval_metadata[:c.eval_prompts]
+        source.eval, source.eval_metadata = (source.eval[:c.eval_prompts],
+                                             source.eval_metadata[:c.eval_prompts])
     return source
 
 
 def reward_probe(c: Config, source):
-    """The tiny batch a custom reward is dry-called on: 2 images (videos) of the run's size, its first prompts."""
+    """The tiny batch a custom reward is dry-called on: 2 images (videos) of the run's size, its
+    first prompts."""
     import models
     import rewards
     family = models.get_family(c.model)

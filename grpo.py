@@ -4,12 +4,13 @@ Pure tensor functions, float32 inside, no model and no process group. docs/DESIG
 
     import torch, grpo
     x = torch.randn(4, 64, 16); v = torch.randn_like(x)
-    nxt, logp, mean, std = grpo.sde_step_with_logprob(v, x, torch.full((4,), 0.8), torch.full((4,), 0.6), 0.7)
+    nxt, logp, mean, std = grpo.sde_step_with_logprob(v, x, torch.full((4,), 0.8),
+                                                      torch.full((4,), 0.6), 0.7)
 
-Conventions (Flow-GRPO's): sigma runs from 1 (noise) to 0 (data), x_sigma = (1 - sigma) x0 + sigma eps,
-the model predicts the velocity v = eps - x0, dt = sigma_next - sigma < 0. The log-prob of a step is
-the Gaussian log density *averaged* over latent dimensions, so ratios are close to 1 and the clip
-range is tiny (about 1e-4 for real models).
+Conventions (Flow-GRPO's): sigma runs from 1 (noise) to 0 (data), x_sigma = (1 - sigma) x0 + sigma
+eps, the model predicts the velocity v = eps - x0, dt = sigma_next - sigma < 0. The log-prob of a
+step is the Gaussian log density *averaged* over latent dimensions, so ratios are close to 1 and the
+clip range is tiny (about 1e-4 for real models).
 """
 from __future__ import annotations
 
@@ -46,13 +47,14 @@ def _sample_or_score(mean, std, noise, prev_sample):
     return prev_sample, gaussian_log_prob(prev_sample.detach(), mean, std), mean, std
 
 
-def sde_step_with_logprob(velocity, latents, sigma, sigma_next, noise_level, noise=None, prev_sample=None):
+def sde_step_with_logprob(velocity, latents, sigma, sigma_next, noise_level, noise=None,
+                          prev_sample=None):
     """One Flow-GRPO SDE step x_sigma -> x_sigma_next (docs/DESIGN.md section 3; Flow-GRPO eq. 9).
 
     velocity, latents: [B, ...]; sigma, sigma_next: floats or [B] tensors (per-sample timesteps, so
     packed pairs from different timesteps share one call); noise_level: the `a` of the paper.
-    noise: optional standard normal [B, ...] (for deterministic trajectories); prev_sample: if given,
-    only score it (training recomputes the log-prob of the recorded trajectory).
+    noise: optional standard normal [B, ...] (for deterministic trajectories); prev_sample: if
+    given, only score it (training recomputes the log-prob of the recorded trajectory).
     Returns (prev_sample [B, ...], log_prob [B], mean [B, ...], std [B, 1, ...]), all float32.
     """
     v = velocity.to(torch.float32)
@@ -63,23 +65,28 @@ def sde_step_with_logprob(velocity, latents, sigma, sigma_next, noise_level, noi
     # g = a sqrt(sigma / (1 - sigma)); at sigma = 1 the denominator uses the next sigma (Flow-GRPO).
     denom = 1 - torch.where(s >= 1, s_next, s)
     g = noise_level * torch.sqrt(s / denom)
-    # mean = x + [v + g^2/(2 sigma) (x + (1 - sigma) v)] dt   (the SDE with the same marginals as the ODE)
+    # mean = x + [v + g^2/(2 sigma) (x + (1 - sigma) v)] dt   (the SDE with the same marginals as
+    # the ODE)
     mean = x + (v + g**2 / (2 * s) * (x + (1 - s) * v)) * dt
     std = g * torch.sqrt(-dt)
     return _sample_or_score(mean, std, noise, prev_sample)
 
 
-def dance_sde_step_with_logprob(velocity, latents, sigma, sigma_next, eta, noise=None, prev_sample=None):
-    """DanceGRPO's SDE step (DanceGRPO `flux_step`, grpo=True, sde_solver=True): diffusion g = eta constant.
+def dance_sde_step_with_logprob(velocity, latents, sigma, sigma_next, eta, noise=None,
+                                prev_sample=None):
+    """DanceGRPO's SDE step (DanceGRPO `flux_step`, grpo=True, sde_solver=True): diffusion g = eta
+    constant.
 
     The reverse-time SDE with the same marginals as the flow ODE dx = v dsigma, run from sigma to
     sigma_next (dsigma = sigma_next - sigma < 0), is dx = [v - g^2/2 score] dsigma + g dw, so
         mean = x + v dsigma - (eta^2 / 2) score dsigma,   std = eta sqrt(sigma - sigma_next),
     with the score of x_sigma = (1 - sigma) x0 + sigma eps estimated from x0_hat = x - sigma v:
         score = -(x - (1 - sigma) x0_hat) / sigma^2.
-    (The score term moves the mean *towards* the data: with dsigma < 0 it adds +eta^2/2 score |dsigma|.)
-    Same signature and returns as `sde_step_with_logprob`. The log-prob is the full Gaussian density;
-    DanceGRPO's code drops the constant -log(std) - log sqrt(2 pi) (it does not change ratios).
+    (The score term moves the mean *towards* the data: with dsigma < 0 it adds +eta^2/2 score
+    |dsigma|.)
+    Same signature and returns as `sde_step_with_logprob`. The log-prob is the full Gaussian
+    density; DanceGRPO's code drops the constant -log(std) - log sqrt(2 pi) (it does not change
+    ratios).
     """
     v = velocity.to(torch.float32)
     x = latents.to(torch.float32)
@@ -98,11 +105,12 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4, 
     """A_i = (r_i - mean_group) / (max(std_group, std_floor) + eps), clipped to +-clip
     (docs/DESIGN.md section 3).
 
-    rewards: [N] with the members of a group contiguous (N = groups * group_size). Per-group std is a
-    documented departure from Flow-GRPO's default global std: it keeps a fragment self-contained.
+    rewards: [N] with the members of a group contiguous (N = groups * group_size). Per-group std is
+    a documented departure from Flow-GRPO's default global std: it keeps a fragment self-contained.
     """
     if rewards.ndim != 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards of shape {tuple(rewards.shape)} is not a whole number of groups of {group_size}")
+        raise ValueError(f"rewards of shape {tuple(rewards.shape)} is not a whole number of groups "
+                         f"of {group_size}")
     r = rewards.to(torch.float32).reshape(-1, group_size)  # [groups, G]
     std = r.std(dim=1, unbiased=False, keepdim=True).clamp(min=std_floor)  # floor 0: the std itself
     adv = (r - r.mean(dim=1, keepdim=True)) / (std + eps)
@@ -124,7 +132,8 @@ def policy_loss(log_prob, old_log_prob, advantages, clip_range, weights=None):
     per_pair = torch.maximum(unclipped, clipped)  # [n]
     loss = per_pair.mean() if weights is None else (per_pair * weights).sum()
     with torch.no_grad():
-        real = torch.ones_like(ratio, dtype=torch.bool) if weights is None else weights.to(ratio.device) != 0  # [n]
+        real = (torch.ones_like(ratio, dtype=torch.bool) if weights is None
+                else weights.to(ratio.device) != 0)  # [n]
         count = real.sum().clamp(min=1)
         mean = lambda t: (t * real).sum() / count  # noqa: E731  (mean over the real pairs)
         stats = {
@@ -147,50 +156,58 @@ def kl_loss(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> to
     return ((mean - ref_mean) ** 2).mean(dim=dims) / (2 * std.reshape(std.shape[0], -1)[:, 0] ** 2)
 
 
-# --- Flow-GRPO's advantage options (flow_grpo/stat_tracking.py PerPromptStatTracker, scripts/train_sd3.py) -----------
+# --- Flow-GRPO's advantage options (flow_grpo/stat_tracking.py PerPromptStatTracker,
+# scripts/train_sd3.py) ----------------------------------------------------------------------------
 # Pure functions over one batch's rewards. They need the whole batch's rewards (a prompt's groups
 # may sit in several fragments, and global_std pools every sample), so under GAP a fragment's
 # advantages are final only once the batch's last reward is in: batch_rewards.BatchRewards gathers
 # them across ranks and restates the fragments' advantages.
 def _prompt_index(prompt_keys, n: int) -> torch.Tensor:
-    """Prompt keys (a [N] integer tensor of prompt ids, or N hashable keys such as prompt strings) -> [N] long index
-    of each sample's prompt, 0 .. P-1 in order of first appearance."""
+    """Prompt keys (a [N] integer tensor of prompt ids, or N hashable keys such as prompt strings)
+    -> [N] long index of each sample's prompt, 0 .. P-1 in order of first appearance."""
     if isinstance(prompt_keys, torch.Tensor):
         keys = prompt_keys.reshape(-1).tolist()
     else:
         keys = list(prompt_keys)
     if len(keys) != n:
-        raise ValueError(f"{len(keys)} prompt keys for {n} rewards: give one prompt (id or text) per sample")
+        raise ValueError(f"{len(keys)} prompt keys for {n} rewards: give one prompt (id or text) "
+                         "per sample")
     first = {}
     return torch.tensor([first.setdefault(k, len(first)) for k in keys], dtype=torch.long)
 
 
 def _prompt_stats(rewards: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-sample mean and population std (ddof 0) of the rewards of its prompt over the whole batch, float64 [N]."""
+    """Per-sample mean and population std (ddof 0) of the rewards of its prompt over the whole
+    batch, float64 [N]."""
     p = int(index.max()) + 1
-    count = torch.zeros(p, dtype=torch.float64).index_add_(0, index, torch.ones_like(rewards))  # [P]
+    # [P]
+    count = torch.zeros(p, dtype=torch.float64).index_add_(0, index, torch.ones_like(rewards))
     mean = torch.zeros(p, dtype=torch.float64).index_add_(0, index, rewards) / count  # [P]
     centred = rewards - mean[index]  # [N]
     var = torch.zeros(p, dtype=torch.float64).index_add_(0, index, centred**2) / count  # [P]
     return mean[index], var.sqrt()[index]
 
 
-def batch_advantages(rewards: torch.Tensor, prompt_keys=None, global_std: bool = False, per_prompt: bool = True,
-                     eps: float = 1e-4, std_floor: float = 0.0, clip: float | None = 5.0) -> torch.Tensor:
+def batch_advantages(rewards: torch.Tensor, prompt_keys=None, global_std: bool = False,
+                     per_prompt: bool = True, eps: float = 1e-4, std_floor: float = 0.0,
+                     clip: float | None = 5.0) -> torch.Tensor:
     """Flow-GRPO's advantages over a whole batch -> float32 [N] (docs/DESIGN.md section 3).
 
-    per_prompt (config.per_prompt_stat_tracking): A_i = (r_i - mean_p) / (std + eps), mean_p over *every* sample of
-    prompt p in the batch (several groups of the same prompt pool together, as PerPromptStatTracker.update does,
-    cleared after each batch), std = that prompt's population std, or with global_std (config.sample.global_std,
-    on in Flow-GRPO's SD3 recipes) the std of all N rewards. Without per_prompt: (r - mean_all) / (std_all + eps)
-    (train_sd3.py's else-branch). std_floor (ours, 0 = Flow-GRPO's): the std is at least this, so a group whose
-    reward spread has collapsed to noise (std 0.007 on rewards of scale 1) is not blown up to unit advantages.
-    clip: Flow-GRPO clamps to +-train.adv_clip_max (5) in its training loop; None leaves them unclipped.
+    per_prompt (config.per_prompt_stat_tracking): A_i = (r_i - mean_p) / (std + eps), mean_p over
+    *every* sample of prompt p in the batch (several groups of the same prompt pool together, as
+    PerPromptStatTracker.update does, cleared after each batch), std = that prompt's population std,
+    or with global_std (config.sample.global_std, on in Flow-GRPO's SD3 recipes) the std of all N
+    rewards. Without per_prompt: (r - mean_all) / (std_all + eps) (train_sd3.py's else-branch).
+    std_floor (ours, 0 = Flow-GRPO's): the std is at least this, so a group whose reward spread has
+    collapsed to noise (std 0.007 on rewards of scale 1) is not blown up to unit advantages.
+    clip: Flow-GRPO clamps to +-train.adv_clip_max (5) in its training loop; None leaves them
+    unclipped.
     Statistics in float64, as Flow-GRPO's numpy code computes them.
     rewards: [N]; prompt_keys: [N] prompt ids or N prompt texts (needed when per_prompt).
     """
     if rewards.ndim != 1 or rewards.numel() == 0:
-        raise ValueError(f"rewards of shape {tuple(rewards.shape)}: expected a non-empty [N] tensor")
+        raise ValueError(f"rewards of shape {tuple(rewards.shape)}: expected a non-empty [N] "
+                         "tensor")
     if std_floor < 0 or eps < 0:
         raise ValueError(f"std_floor {std_floor} and eps {eps} must be >= 0")
     r = rewards.detach().to("cpu", torch.float64)
@@ -209,10 +226,11 @@ def batch_advantages(rewards: torch.Tensor, prompt_keys=None, global_std: bool =
 
 
 def collapsed_prompts(rewards: torch.Tensor, prompt_keys, min_std: float = 0.0) -> torch.Tensor:
-    """[N] bool: True for samples whose prompt's rewards over the batch have population std <= min_std (groups with
-    no learning signal; train them and normalised noise drives the update). Flow-GRPO (train_sd3.py) drops samples
-    whose advantages are all exactly zero, i.e. prompts whose rewards are all equal: min_std = 0. Drop the True
-    samples from training (their weight 0) to guard with a threshold; the metric of the fraction is their mean."""
+    """[N] bool: True for samples whose prompt's rewards over the batch have population
+    std <= min_std (groups with no learning signal; train them and normalised noise drives the
+    update). Flow-GRPO (train_sd3.py) drops samples whose advantages are all exactly zero, i.e.
+    prompts whose rewards are all equal: min_std = 0. Drop the True samples from training (their
+    weight 0) to guard with a threshold; the metric of the fraction is their mean."""
     if min_std < 0:
         raise ValueError(f"min_std {min_std} must be >= 0")
     r = rewards.detach().to("cpu", torch.float64).reshape(-1)

@@ -7,10 +7,10 @@
 
 Started as one process it spawns --nproc ranks (infra/launch.py watches them); under torchrun each
 process is a rank. `run_rank` is one rank, top to bottom: the job (infra/runtime.py), the groups
-(comm.py), the policy, then its loop with each mechanism plugged in on one line: GAP
-(gap.rollout_loop, gap.trainer_loop), TSP (tsp.PackStream / tsp.trainer_packs, tsp.lockstep_fragments: wiring.py),
-TAG (tag.Assistant, TSP's strategy) and TCSS (tcss.RolloutWeights, tcss.Publisher). transport.py
-carries their data; wiring.py wraps it in tracing spans. config.py lists every option.
+(comm.py), the policy, then its loop, each mechanism plugged in on one line: GAP (gap.rollout_loop,
+gap.trainer_loop), TSP (tsp.PackStream / tsp.trainer_packs, tsp.lockstep_fragments: wiring.py), TAG
+(tag.Assistant, TSP's strategy), TCSS (tcss.RolloutWeights, tcss.Publisher); colocated.py is the
+baseline. transport.py carries their data, wiring.py wraps it in spans; config.py has every option.
 """
 from __future__ import annotations
 
@@ -35,7 +35,6 @@ import tcss
 import transport
 import wiring
 from infra import bookkeeping, cli, emulate, rundir, runtime
-from infra.cli import prepare  # noqa: F401  (main.prepare: parse, resolve and validate)
 from infra.launch import launch
 from infra.preemption import EXIT_PREEMPTED, Preempted
 from infra.prompts import PromptSource
@@ -62,13 +61,13 @@ class Rank:
 
     def generate(self, step: int, ranges: list[tuple[int, int]], version: int, producer: int,
                  part=None) -> list[gap.Fragment]:
-        """Group ranges (first, count) of step `step` in one generation call, one fragment each: every
-        producer's one path (only the colocated baseline's calls join several ranges).
-        part=(lo, hi) of one range: only those trajectories, advantages left to the joined groups (TAG)."""
+        """Group ranges (first, count) of `step` in one generation call, one fragment each: every
+        producer's one path (only the colocated baseline's calls join several ranges). part=(lo, hi)
+        of one range: only those trajectories, advantages left to the joined groups (TAG)."""
         c = self.cfg
-        spec = colocated.joined_specs([gap.fragment_spec(c.seed, step, first, count, len(self.source.train),
-                                                   c.prompts_per_step, c.group_size, c.algo == "dance_grpo")
-                                 for first, count in ranges])
+        spec = colocated.joined_specs([gap.fragment_spec(
+            c.seed, step, first, count, len(self.source.train), c.prompts_per_step, c.group_size,
+            c.algo == "dance_grpo") for first, count in ranges])
         spec, make = (spec, rollout.generate_fragment) if part is None else \
             (rollout.part_spec(spec, *part), rollout.generate_trajectories)
         kind = "tag" if producer == tag.TAG_PRODUCER else "generate"
@@ -90,8 +89,7 @@ class Rank:
 
 def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple, agent_store: bool,
              report_silent=None) -> int:
-    """One rank: the job, groups, policy, its loop, shutdown. Returns 0, or EXIT_PREEMPTED after
-    a stop on SIGTERM (infra/preemption.py)."""
+    """One rank: job, groups, policy, loop, shutdown. 0, or EXIT_PREEMPTED after a SIGTERM stop."""
     cfg = cfg if isinstance(cfg, config_lib.Config) else config_lib.from_dict(cfg)
     torch.set_num_threads(cfg.threads)
     device, dtype = runtime.device_of(cfg, local_rank)
@@ -170,8 +168,9 @@ def trainer_rank(r: Rank):
                                on_published=assistant.published if assistant else None)  # TCSS
     t_train = rollout.num_train_timesteps(r.sampling)
     bounds = gap.minibatch_bounds(cfg.prompts_per_step, cfg.updates_per_batch)  # M updates a step
-    train, flush = wiring.fragment_training(cfg, groups, trainer, bounds, t_train, r.reward_fn.names,
-                                            r.tracer, r.pace, assistant.trained if assistant else None)  # TSP
+    train, flush = wiring.fragment_training(cfg, groups, trainer, bounds, t_train,  # TSP
+                                            r.reward_fn.names, r.tracer, r.pace,
+                                            assistant.trained if assistant else None)
     fragments = wiring.TrainerFragments(cfg, groups, r.queue, r.tracer, r.job.progress, r.generate,
                                         trainer.current_version, assistant)  # dealt, or TSP's
     side = gap.TrainerSide(fragments_of=fragments, train=train, version=trainer.current_version,
@@ -183,8 +182,9 @@ def trainer_rank(r: Rank):
                      assistant.forget if assistant else gap.nothing,
                      r.batch.forget if leader and r.batch else gap.nothing)
     if groups.role == "colocated":  # the baseline: a static 1/P of every minibatch, no queue
-        colocated.loop(side, r.steps, functools.partial(colocated.static_claims, bounds), groups.rank,
-                       groups.world, functools.partial(r.generate, producer=groups.rank), cfg.fragment_groups)
+        claims = functools.partial(colocated.static_claims, bounds)
+        colocated.loop(side, r.steps, claims, groups.rank, groups.world,
+                       functools.partial(r.generate, producer=groups.rank), cfg.fragment_groups)
     else:
         gap.trainer_loop(side, r.steps, streaming=cfg.gap)  # GAP
         publisher.stop()

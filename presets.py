@@ -1,24 +1,29 @@
-"""Default training settings: the tiny pipelines' own, and for real weights (--pretrained) the published ones.
+"""Default training settings: the tiny pipelines' own, and for real weights (--pretrained) the
+published ones.
 
     preset = presets.for_run("flux", pretrained=True, algo="flow_grpo")
-    preset.values["lr"]                    # Setting(value=3e-4, source="Flow-GRPO config/base.py train.learning_rate")
-    presets.describe(cfg)                  # the startup line: which preset, each value and where it comes from
+    # Setting(value=3e-4, source="Flow-GRPO config/base.py train.learning_rate")
+    preset.values["lr"]
+    # the startup line: which preset, each value and where it comes from
+    presets.describe(cfg)
 
-With --pretrained and no flag for them, resolution (the pipeline's native one), learning rate, clip range,
-noise level, group size, timestep fraction, guidance, sampling steps and video frames come from the family's
-published Flow-GRPO recipe (yifan123/flow_grpo, config/grpo.py at commit 31c71b9 and config/base.py), or with
---algo dance_grpo from DanceGRPO's (XueZeyue/DanceGRPO scripts/finetune/*.sh and fastvideo/train_grpo_*.py).
-Each value names the file it was read from; a family without a published recipe of that algorithm says whose
-values it borrows. A flag given on the command line always wins. The tiny pipelines keep settings measured
-on them (config.py's help strings say why).
+With --pretrained and no flag for them, resolution (the pipeline's native one), learning rate, clip
+range, noise level, group size, timestep fraction, guidance, sampling steps and video frames come
+from the family's published Flow-GRPO recipe (yifan123/flow_grpo, config/grpo.py at commit 31c71b9
+and config/base.py), or with --algo dance_grpo from DanceGRPO's (XueZeyue/DanceGRPO
+scripts/finetune/*.sh and fastvideo/train_grpo_*.py). Each value names the file it was read from; a
+family without a published recipe of that algorithm says whose values it borrows. A flag given on
+the command line always wins. The tiny pipelines keep settings measured on them (config.py's help
+strings say why).
 
-Departures, stated where they apply: resolution is the pipeline's native one (what `pipe(prompt)` draws), not
-the recipes' training resolution (Flow-GRPO trains FLUX, Qwen-Image and SD3.5 at 512 px, Wan at 240 x 416);
-Flow-GRPO's Qwen-Image recipe trains a window of 2 SDE steps (sde_window_size 2) at noise level 1.2, while
-digenrl has no SDE window and trains the first int(T x timestep_fraction) steps. Flow-GRPO's SD3 scripts encode
-prompts with T5 at max_sequence_length 128 (scripts/train_sd3.py compute_text_embeddings), and SD3's joint attention
-sees the padding tokens, so the sequence length changes the velocity: --text-len 128 matches them (the default 512
-does not; text_len is not a preset field).
+Departures, stated where they apply: resolution is the pipeline's native one (what `pipe(prompt)`
+draws), not the recipes' training resolution (Flow-GRPO trains FLUX, Qwen-Image and SD3.5 at 512 px,
+Wan at 240 x 416); Flow-GRPO's Qwen-Image recipe trains a window of 2 SDE steps (sde_window_size 2)
+at noise level 1.2, while digenrl has no SDE window and trains the first int(T x timestep_fraction)
+steps. Flow-GRPO's SD3 scripts encode prompts with T5 at max_sequence_length 128
+(scripts/train_sd3.py compute_text_embeddings), and SD3's joint attention sees the padding tokens,
+so the sequence length changes the velocity: --text-len 128 matches them (the default 512 does not;
+text_len is not a preset field).
 """
 from __future__ import annotations
 
@@ -49,10 +54,12 @@ def _native(height: int, width: int, pipeline: str) -> dict:
 
 _NATIVE = {
     "flux": _native(1024, 1024, "FluxPipeline default_sample_size 128 x vae_scale_factor 8:"),
-    "qwenimage": _native(1024, 1024, "QwenImagePipeline default_sample_size 128 x vae_scale_factor 8:"),
+    "qwenimage": _native(1024, 1024,
+                         "QwenImagePipeline default_sample_size 128 x vae_scale_factor 8:"),
     "wan": _native(480, 832, "WanPipeline height 480, width 832:"),
     "hunyuanvideo": _native(720, 1280, "HunyuanVideoPipeline height 720, width 1280:"),
-    "sd3": _native(1024, 1024, "StableDiffusion3Pipeline default_sample_size 128 x vae_scale_factor 8:"),
+    "sd3": _native(1024, 1024,
+                   "StableDiffusion3Pipeline default_sample_size 128 x vae_scale_factor 8:"),
 }
 
 
@@ -72,10 +79,11 @@ _PUBLISHED = {
     ("qwenimage", "flow_grpo"): _s(
         lr=(3e-4, f"{FLOW_GRPO_BASE} train.learning_rate (pickscore_qwenimage keeps it)"),
         clip_range=(1e-4, f"{FLOW_GRPO_BASE} train.clip_range"),
-        noise_level=(1.2, f"{FLOW_GRPO} pickscore_qwenimage sample.noise_level (there inside a 2-step SDE window)"),
+        noise_level=(1.2, f"{FLOW_GRPO} pickscore_qwenimage sample.noise_level (there inside a "
+                          "2-step SDE window)"),
         group_size=(16, f"{FLOW_GRPO} pickscore_qwenimage sample.num_image_per_prompt"),
-        timestep_fraction=(0.99, f"{FLOW_GRPO} (pickscore_qwenimage trains its SDE window instead: all but the last "
-                                 "step, as its other recipes)"),
+        timestep_fraction=(0.99, f"{FLOW_GRPO} (pickscore_qwenimage trains its SDE window instead: "
+                                 "all but the last step, as its other recipes)"),
         guidance=(4.0, f"{FLOW_GRPO} pickscore_qwenimage sample.guidance_scale (true CFG)"),
         num_steps=(10, f"{FLOW_GRPO} pickscore_qwenimage sample.num_steps")),
     ("wan", "flow_grpo"): _s(
@@ -95,14 +103,16 @@ _PUBLISHED = {
         timestep_fraction=(0.99, f"{FLOW_GRPO} pickscore_sd3 train.timestep_fraction"),
         guidance=(4.5, f"{FLOW_GRPO} pickscore_sd3 sample.guidance_scale (true CFG)"),
         num_steps=(10, f"{FLOW_GRPO} pickscore_sd3 sample.num_steps")),
-    # Flow-GRPO publishes no HunyuanVideo recipe: its base settings, DanceGRPO's HunyuanVideo batch shape.
+    # Flow-GRPO publishes no HunyuanVideo recipe: its base settings, DanceGRPO's HunyuanVideo batch
+    # shape.
     ("hunyuanvideo", "flow_grpo"): _s(
         lr=(3e-4, f"{FLOW_GRPO_BASE} train.learning_rate (no Flow-GRPO HunyuanVideo recipe)"),
         clip_range=(1e-4, f"{FLOW_GRPO_BASE} train.clip_range"),
         noise_level=(0.7, f"{FLOW_GRPO_BASE} sample.noise_level"),
         group_size=(24, f"{DANCE_HUNYUAN} --num_generations (no Flow-GRPO HunyuanVideo recipe)"),
         timestep_fraction=(0.99, f"{FLOW_GRPO} (every recipe there: all but the last step)"),
-        guidance=(6.018, "DanceGRPO fastvideo/train_grpo_hunyuan.py guidance 6018 (= 6.018 x 1000 embedded)"),
+        guidance=(6.018, "DanceGRPO fastvideo/train_grpo_hunyuan.py guidance 6018 (= 6.018 x 1000 "
+                         "embedded)"),
         num_steps=(16, f"{DANCE_HUNYUAN} --sampling_steps"),
         frames=(53, f"{DANCE_HUNYUAN} --t")),
     ("flux", "dance_grpo"): _s(
@@ -119,16 +129,19 @@ _PUBLISHED = {
         noise_level=(0.25, f"{DANCE_HUNYUAN} --eta"),
         group_size=(24, f"{DANCE_HUNYUAN} --num_generations"),
         timestep_fraction=(0.6, f"{DANCE_HUNYUAN} --timestep_fraction"),
-        guidance=(6.018, "DanceGRPO fastvideo/train_grpo_hunyuan.py guidance 6018 (= 6.018 x 1000 embedded)"),
+        guidance=(6.018, "DanceGRPO fastvideo/train_grpo_hunyuan.py guidance 6018 (= 6.018 x 1000 "
+                         "embedded)"),
         num_steps=(16, f"{DANCE_HUNYUAN} --sampling_steps"),
         frames=(53, f"{DANCE_HUNYUAN} --t")),
 }
 def _borrowed(recipe: dict, note: str, guidance: Setting) -> dict:
-    return {**{k: Setting(v.value, f"{v.source} ({note})") for k, v in recipe.items()}, "guidance": guidance}
+    return {**{k: Setting(v.value, f"{v.source} ({note})") for k, v in recipe.items()},
+            "guidance": guidance}
 
 
-# DanceGRPO publishes no Qwen-Image, SD3 or Wan recipe: the image families borrow its FLUX one, the video family its
-# HunyuanVideo one; guidance stays the family's Flow-GRPO value (true CFG scales, not FLUX's embedded guidance).
+# DanceGRPO publishes no Qwen-Image, SD3 or Wan recipe: the image families borrow its FLUX one, the
+# video family its HunyuanVideo one; guidance stays the family's Flow-GRPO value (true CFG scales,
+# not FLUX's embedded guidance).
 _PUBLISHED[("qwenimage", "dance_grpo")] = _borrowed(
     _PUBLISHED[("flux", "dance_grpo")], "no DanceGRPO Qwen-Image recipe: its FLUX one",
     Setting(4.0, f"{FLOW_GRPO} pickscore_qwenimage sample.guidance_scale (true CFG)"))
@@ -148,15 +161,17 @@ _TINY = _s(
 _TINY_FRACTION = {"flow_grpo": Setting(0.99, "Flow-GRPO's configs: all but the last step"),
                   "dance_grpo": Setting(0.6, f"{DANCE_FLUX} --timestep_fraction")}
 
-FIELDS = ("resolution", "width", "frames", "lr", "clip_range", "noise_level", "group_size", "timestep_fraction",
-          "guidance", "num_steps")
+FIELDS = ("resolution", "width", "frames", "lr", "clip_range", "noise_level", "group_size",
+          "timestep_fraction", "guidance", "num_steps")
 
 
 def for_run(model: str, pretrained: bool, algo: str) -> Preset:
-    """The defaults of a run: the published recipe of `model` and `algo` for real weights, else the tiny ones.
-    Fields a preset leaves out (tiny: resolution, frames, guidance) keep the family's own defaults."""
+    """The defaults of a run: the published recipe of `model` and `algo` for real weights, else the
+    tiny ones. Fields a preset leaves out (tiny: resolution, frames, guidance) keep the family's own
+    defaults."""
     if not pretrained:
-        return Preset("tiny", {**_TINY, "timestep_fraction": _TINY_FRACTION.get(algo, _TINY_FRACTION["flow_grpo"])})
+        return Preset("tiny", {**_TINY, "timestep_fraction":
+                               _TINY_FRACTION.get(algo, _TINY_FRACTION["flow_grpo"])})
     recipe = _PUBLISHED.get((model, algo))
     if recipe is None:
         raise ValueError(f"no published {algo} settings for --model {model!r}; known: "

@@ -1,13 +1,13 @@
-"""Rollout: what a generator is. One fragment (whole groups) -> SDE sampling, behaviour log-probs, decode,
-reward, advantages (per group; batch_rewards.py restates them for batch statistics); and
+"""Rollout: what a generator is. One fragment (whole groups) -> SDE sampling, behaviour log-probs,
+decode, reward, advantages (per group; batch_rewards.py restates them for batch statistics); and
 deterministic evaluation.
 
 `generate_fragment` is the one generation path, used by rollout ranks, by colocated ranks and by an
 idle trainer under TAG, so every producer makes the same trajectories from the same FragmentSpec.
 It is `generate_trajectories` (sample, decode, score) then `with_advantages` (per group): under TAG
 several trainers generate parts of one group (`part_spec`); advantages wait for the joined parts.
-The rollout rank's loop (claim, generate, announce, send) is gap.rollout_loop; which weights generate
-and when new ones come in is tcss.RolloutWeights (main.py plugs both in).
+The rollout rank's loop (claim, generate, announce, send) is gap.rollout_loop; which weights
+generate and when new ones come in is tcss.RolloutWeights (main.py plugs both in).
 """
 from __future__ import annotations
 
@@ -45,30 +45,33 @@ def step_fn(algo: str):
 def num_train_timesteps(cfg: SamplingConfig) -> int:
     """T_train, by each reference's own formula; a fraction that gives 0 steps is a ValueError.
 
-    Flow-GRPO (scripts/train_flux.py): int(T * timestep_fraction); its configs use 0.99, i.e. all but
-    the last step. DanceGRPO (train_grpo_flux.py): int((T - 1) * timestep_fraction), since it never
-    trains the last step.
+    Flow-GRPO (scripts/train_flux.py): int(T * timestep_fraction); its configs use 0.99, i.e. all
+    but the last step. DanceGRPO (train_grpo_flux.py): int((T - 1) * timestep_fraction), since it
+    never trains the last step.
     """
     trainable = cfg.num_steps - 1 if cfg.algo == "dance_grpo" else cfg.num_steps
     t_train = int(trainable * cfg.timestep_fraction)
     if t_train < 1:
-        raise ValueError(f"--timestep-fraction {cfg.timestep_fraction} with --num-steps {cfg.num_steps} trains no step "
-                         f"({cfg.algo}: int({trainable} * {cfg.timestep_fraction}) = 0); raise either")
+        raise ValueError(f"--timestep-fraction {cfg.timestep_fraction} with --num-steps "
+                         f"{cfg.num_steps} trains no step ({cfg.algo}: int({trainable} * "
+                         f"{cfg.timestep_fraction}) = 0); raise either")
     return t_train
 
 
 def train_slots(cfg: SamplingConfig, noise_seed: int) -> list[int]:
-    """Which sampling steps of one trajectory are trained (sorted; step 0 is the first, pure-noise step)."""
+    """Which sampling steps of one trajectory are trained (sorted; step 0 is the first, pure-noise
+    step)."""
     t_train = num_train_timesteps(cfg)
-    if cfg.algo == "dance_grpo":  # a random per-sample subset of steps 0..T-2, reproducible from the seed
+    # a random per-sample subset of steps 0..T-2, reproducible from the seed
+    if cfg.algo == "dance_grpo":
         gen = torch.Generator().manual_seed(noise_seed + 7)
         return sorted(torch.randperm(cfg.num_steps - 1, generator=gen)[:t_train].tolist())
     return list(range(t_train))  # Flow-GRPO: the first T_train (high-noise) steps, 0..T_train-1
 
 
 @torch.no_grad()
-def sample_trajectories(policy, cond, init_seeds, noise_seeds, cfg: SamplingConfig, keep: list[list[int]] | None = None,
-                        transformer=None):
+def sample_trajectories(policy, cond, init_seeds, noise_seeds, cfg: SamplingConfig,
+                        keep: list[list[int]] | None = None, transformer=None):
     """SDE sampling of len(seeds) trajectories in one batch.
 
     Returns final latents [m, ...] and, for each trajectory's `keep` slots, (x_t, x_t+1, logp_t)
@@ -76,7 +79,8 @@ def sample_trajectories(policy, cond, init_seeds, noise_seeds, cfg: SamplingConf
     the same in any batch and on any rank.
     """
     m = len(init_seeds)
-    x = torch.stack([policy.noise(torch.Generator().manual_seed(s)) for s in init_seeds]).to(policy.device)  # [m, ...]
+    x = torch.stack([policy.noise(torch.Generator().manual_seed(s))
+                     for s in init_seeds]).to(policy.device)  # [m, ...]
     generators = [torch.Generator().manual_seed(s) for s in noise_seeds]
     sigmas = policy.sigmas(cfg.num_steps).to(policy.device)  # [T + 1]
     step = step_fn(cfg.algo)
@@ -85,25 +89,30 @@ def sample_trajectories(policy, cond, init_seeds, noise_seeds, cfg: SamplingConf
     for t in range(cfg.num_steps):
         sigma = sigmas[t].expand(m)  # [m]
         v = policy.velocity(x, sigma, cond, transformer)  # [m, ...] float32
-        noise = torch.stack([torch.randn(x.shape[1:], generator=g) for g in generators]).to(x.device)  # [m, ...]
-        x_next, logp, _, _ = step(v, x, sigma, sigmas[t + 1].expand(m), cfg.noise_level, noise=noise)
+        noise = torch.stack(
+            [torch.randn(x.shape[1:], generator=g) for g in generators]).to(x.device)  # [m, ...]
+        x_next, logp, _, _ = step(v, x, sigma, sigmas[t + 1].expand(m), cfg.noise_level,
+                                  noise=noise)
         if t in wanted:
             kept_x[t], kept_next[t], kept_logp[t] = x, x_next, logp
         x = x_next
     if keep is None:
         return x, None
     timestep_index = torch.tensor(keep, dtype=torch.long)  # [m, T_train]
-    kept = [_per_trajectory(store, keep) for store in (kept_x, kept_next, kept_logp)]  # [m, T_train, ...] each
+    # [m, T_train, ...] each
+    kept = [_per_trajectory(store, keep) for store in (kept_x, kept_next, kept_logp)]
     return x, (*kept, timestep_index, sigmas.cpu())
 
 
 def _per_trajectory(by_step: dict[int, torch.Tensor], keep: list[list[int]]) -> torch.Tensor:
-    """[m, T_train, ...]: trajectory i's values at its own kept steps keep[i] (by_step: step -> [m, ...])."""
-    return torch.stack([torch.stack([by_step[t][i] for t in slots]) for i, slots in enumerate(keep)])
+    """[m, T_train, ...]: trajectory i's values at its own kept steps keep[i] (by_step:
+    step -> [m, ...])."""
+    return torch.stack([torch.stack([by_step[t][i] for t in slots])
+                        for i, slots in enumerate(keep)])
 
 
-def generate_fragment(policy, spec: FragmentSpec, prompts: list[str], cfg: SamplingConfig, reward_fn,
-                      version: int, producer: int, transformer=None) -> Fragment:
+def generate_fragment(policy, spec: FragmentSpec, prompts: list[str], cfg: SamplingConfig,
+                      reward_fn, version: int, producer: int, transformer=None) -> Fragment:
     """Generate, score and package one fragment of whole groups (see module docstring)."""
     fragment = generate_trajectories(policy, spec, prompts, cfg, reward_fn, version, producer,
                                      transformer)
@@ -122,7 +131,8 @@ def generate_trajectories(policy, spec: FragmentSpec, prompts: list[str], cfg: S
     images = policy.decode(final)  # [m, 3, H, W] (video [m, F, 3, H, W]) in [0, 1]
     scores = reward_fn(images, prompt_text, prompt_ids=spec.prompt_ids)  # name -> [m]
     total = _host(scores["total"].to(torch.float32))
-    parts = torch.stack([scores[k].to(torch.float32) for k in scores if k != "total"], dim=1)  # [m, n_rewards]
+    # [m, n_rewards]
+    parts = torch.stack([scores[k].to(torch.float32) for k in scores if k != "total"], dim=1)
     return Fragment(
         step=spec.step, first_group=spec.first_group, policy_version=version, producer=producer,
         group_size=spec.group_size,
@@ -158,21 +168,22 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu")
 
 
-# Evaluation seeds sit far above the training ones (gap.fragment_spec numbers them from (seed, step, index) upwards
-# from 0), so evaluation never replays a trajectory the policy was trained on.
+# Evaluation seeds sit far above the training ones (gap.fragment_spec numbers them from (seed, step,
+# index) upwards from 0), so evaluation never replays a trajectory the policy was trained on.
 EVAL_SEED = 2**62
 
 
 @torch.no_grad()
 def evaluate(policy, prompts: list[str], cfg: SamplingConfig, reward_fn, seed: int = EVAL_SEED,
              seeds_per_prompt: int = 1, metadata: list[dict] | None = None):
-    """Deterministic evaluation (noise level 0): every prompt from the same `seeds_per_prompt` initial noises
-    (seed, seed + 1, ...). Returns (reward dict of [P S] tensors, images [P S, ...]), prompt-major. `metadata`:
-    one dict per prompt (its dataset row), passed to the reward.
+    """Deterministic evaluation (noise level 0): every prompt from the same `seeds_per_prompt`
+    initial noises (seed, seed + 1, ...). Returns (reward dict of [P S] tensors, images [P S, ...]),
+    prompt-major. `metadata`: one dict per prompt (its dataset row), passed to the reward.
 
-    Sharing the noises across prompts makes the comparison paired: a model that ignores the prompt draws the
-    same image for every colour word, and the colour reward of one image summed over red, green and blue is
-    exactly 0, so such a model scores 0 on the colour task up to the mean over seeds, not just on average."""
+    Sharing the noises across prompts makes the comparison paired: a model that ignores the prompt
+    draws the same image for every colour word, and the colour reward of one image summed over red,
+    green and blue is exactly 0, so such a model scores 0 on the colour task up to the mean over
+    seeds, not just on average."""
     det = dataclasses.replace(cfg, noise_level=0.0)
     seeds = [seed + j for _ in prompts for j in range(seeds_per_prompt)]
     texts = [p for p in prompts for _ in range(seeds_per_prompt)]

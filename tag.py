@@ -1,16 +1,17 @@
-"""TAG, trainer-assisted generation: an idle trainer group generates groups itself, when that ends the step sooner.
+"""TAG, trainer-assisted generation: an idle trainer group generates groups itself, when that ends
+the step sooner.
 
-Paper: DigenRL, "elastic trainer-assisted generation" (docs/DESIGN.md section 5). At the head of a step
-the trainers have nothing to train until the first fragment arrives, and at its tail they wait for
-the last one. When the trainer group has nothing to train, its leader may claim some unclaimed
+Paper: DigenRL, "elastic trainer-assisted generation" (docs/DESIGN.md section 5). At the head of a
+step the trainers have nothing to train until the first fragment arrives, and at its tail they wait
+for the last one. When the trainer group has nothing to train, its leader may claim some unclaimed
 groups of the *current* batch from the fragment queue (gap.py) and the group generates them with its
 own current weights: exactly the current policy, so no weight sync and the groups are on-policy.
 Reward, advantages and training then follow the normal path. The leader also decides once right
 before it publishes new weights, for the next batch: that is the moment the rollout ranks are about
 to claim everything, so a share taken then is what lets TAG act next to TCSS.
 
-Invariant: TAG changes who generates, never what: a trajectory depends only on (seed, step, its index
-in the batch), so the update with TAG on equals the update with it off (allclose in float32).
+Invariant: TAG changes who generates, never what: a trajectory depends only on (seed, step, its
+index in the batch), so the update with TAG on equals the update with it off (allclose in float32).
 Generation runs under no_grad and never calls the optimizer or touches accumulated gradients.
 
 The decision (`assist_groups`) is a makespan prediction from running estimates (generation time of a
@@ -58,12 +59,16 @@ class StepState:
     gen_rollout_s: float  # one fragment (fragment_groups groups) on one rollout rank
     gen_trainer_s: float  # one trainer generates one group (the trainers work in parallel)
     train_s: float  # one group trained on the trainer group (TSP over all K trainers)
-    fragment_groups: int = 1  # groups a rollout rank claims at a time (the last claim may get fewer)
-    trainers: int = 1  # K: n TAG groups split over K trainers by groups take ceil(n / K) group times
+    # groups a rollout rank claims at a time (the last claim may get fewer)
+    fragment_groups: int = 1
+    # K: n TAG groups split over K trainers by groups take ceil(n / K) group times
+    trainers: int = 1
     group_size: int = 0  # > 0: the split is by trajectories instead: ceil(n G / K) / G group times
     quantum: int = 1  # TAG claims multiples of this many groups (K under FSDP: equal forwards)
-    rollout_start_s: float = 0.0  # idle rollout ranks claim from then on (step boundary: weights in)
-    trainer_start_s: float = 0.0  # the trainer group is busy until then (step boundary: its own publish)
+    # idle rollout ranks claim from then on (step boundary: weights in)
+    rollout_start_s: float = 0.0
+    # the trainer group is busy until then (step boundary: its own publish)
+    trainer_start_s: float = 0.0
 
 
 def predict_step_end(state: StepState, assist: int) -> float:
@@ -141,12 +146,13 @@ class RunningMean:
         self.weight, self.value = weight, None
 
     def update(self, seconds: float) -> None:
-        self.value = seconds if self.value is None else (1 - self.weight) * self.value + self.weight * seconds
+        self.value = seconds if self.value is None else (
+            (1 - self.weight) * self.value + self.weight * seconds)
 
 
 class RolloutTimes:
-    """Rollout ranks report how long a group took (a store key per rank); the leader reads the mean, in
-    seconds per fragment of `fragment_groups` groups: the predictor's gen_rollout_s."""
+    """Rollout ranks report how long a group took (a store key per rank); the leader reads the mean,
+    in seconds per fragment of `fragment_groups` groups: the predictor's gen_rollout_s."""
 
     def __init__(self, store, ranks: list[int], fragment_groups: int):
         self.store, self.ranks, self.fragment_groups = store, ranks, fragment_groups
@@ -176,17 +182,21 @@ class Assistant:
     group_size > 0: the trainers split a claim by trajectories (assisted_generation), and the
     predictor costs it so (share_groups); 0: by whole groups (simulate.py's tag_split="groups")."""
 
-    def __init__(self, groups_per_step: int, fragment_groups: int, rollout_ranks: int, trainers: int, quantum: int,
-                 claim: Callable, claimed: Callable, announced_groups: Callable, rollout_gen_s: Callable,
+    def __init__(self, groups_per_step: int, fragment_groups: int, rollout_ranks: int,
+                 trainers: int, quantum: int, claim: Callable, claimed: Callable,
+                 announced_groups: Callable, rollout_gen_s: Callable,
                  poll_s: float = 0.001, steps: int | None = None, group_size: int = 0):
-        self.groups_per_step, self.fragment_groups, self.rollout_ranks = groups_per_step, fragment_groups, rollout_ranks
+        self.groups_per_step, self.fragment_groups, self.rollout_ranks = (
+            groups_per_step, fragment_groups, rollout_ranks)
         self.trainers, self.quantum, self.poll_s, self.steps = trainers, quantum, poll_s, steps
         self.group_size = group_size
         self.claim, self.claimed = claim, claimed
         self.announced_groups, self.rollout_gen_s = announced_groups, rollout_gen_s
         self.gen_trainer, self.train = RunningMean(), RunningMean()  # seconds per group
-        self.publish = RunningMean()  # seconds from the leader's publish to the rollout holding the weights
-        self.pending = collections.defaultdict(list)  # step -> [(first_group, count)] claimed, not generated
+        # seconds from the leader's publish to the rollout holding the weights
+        self.publish = RunningMean()
+        # step -> [(first_group, count)] claimed, not generated
+        self.pending = collections.defaultdict(list)
         self.taken = collections.Counter()  # step -> groups TAG claimed
         self.generated = collections.Counter()  # step -> groups TAG generated
 
@@ -199,9 +209,11 @@ class Assistant:
             unclaimed=self.groups_per_step - claimed,
             in_flight=max(claimed - announced - self.taken[step], 0),
             waiting=max(announced - (groups_done - self.generated[step]), 0),
-            rollout_ranks=self.rollout_ranks, fragment_groups=self.fragment_groups, gen_rollout_s=gen_rollout,
+            rollout_ranks=self.rollout_ranks, fragment_groups=self.fragment_groups,
+            gen_rollout_s=gen_rollout,
+            # unmeasured: assume the trainer GPU generates like a rollout one
             gen_trainer_s=self.gen_trainer.value if self.gen_trainer.value is not None
-            else gen_rollout / self.fragment_groups,  # unmeasured: assume the trainer GPU generates like a rollout one
+            else gen_rollout / self.fragment_groups,
             train_s=self.train.value, trainers=self.trainers, group_size=self.group_size,
             quantum=self.quantum, rollout_start_s=start_s, trainer_start_s=start_s)
 
@@ -219,9 +231,9 @@ class Assistant:
         return True
 
     def strategy(self, step: int, poll: Callable[[int], bool], train_cmd: int, produce_cmd: int):
-        """The leader's `decide` for tsp.lockstep_fragments: train what has arrived, else generate claimed
-        groups, else claim a share if the predictor says so, else wait. (The command numbers are TSP's,
-        passed in so that this file stays self-contained.)"""
+        """The leader's `decide` for tsp.lockstep_fragments: train what has arrived, else generate
+        claimed groups, else claim a share if the predictor says so, else wait. (The command numbers
+        are TSP's, passed in so that this file stays self-contained.)"""
         def decide(next_seq: int, groups_done: int) -> tuple[int, int, int]:
             while True:
                 if poll(next_seq):
@@ -244,7 +256,8 @@ class Assistant:
         self.trained_groups(fragment.num_groups, seconds)
 
     def before_publish(self, step: int) -> None:
-        """Right before publishing step + 1's weights: the rollout ranks are about to claim all of step + 1."""
+        """Right before publishing step + 1's weights: the rollout ranks are about to claim all of
+        step + 1."""
         if self.steps is None or step + 1 < self.steps:
             self.consider(step + 1, 0, before_publish=True)
 
@@ -276,13 +289,14 @@ def assisted_generation(first_group: int, num_groups: int, group_size: int, trai
     return join([share(mine if r == me else None, r) for r in owners])
 
 
-# --- python3 tag.py: the mechanism alone, on a scripted step -----------------------------------------------
+# --- python3 tag.py: the mechanism alone, on a scripted step --------------------------------------
 def _demo() -> None:
     import torch
 
     groups, size, claimed = 8, 8, {"n": 1}  # groups of 8; the rollout rank has claimed group 0
 
-    def claim(step: int, n: int) -> tuple[int, int] | None:  # the queue's atomic claim (gap.FragmentQueue)
+    # the queue's atomic claim (gap.FragmentQueue)
+    def claim(step: int, n: int) -> tuple[int, int] | None:
         first = claimed["n"]
         claimed["n"] = min(first + n, groups)
         return (first, claimed["n"] - first) if first < groups else None
@@ -291,7 +305,8 @@ def _demo() -> None:
                           quantum=1, claim=claim, claimed=lambda step: claimed["n"],
                           announced_groups=lambda step: 0,
                           rollout_gen_s=lambda: 1.0, group_size=size)  # 1 s per group
-    assistant.trained_groups(groups=1, seconds=0.1)  # training one group took 0.1 s on the trainer group
+    # training one group took 0.1 s on the trainer group
+    assistant.trained_groups(groups=1, seconds=0.1)
     state = assistant.state(step=0, groups_done=0)
     ends = (f"claim {n}: the step ends in {predict_step_end(state, n):.2f} s" for n in range(5))
     print("TAG, 1 rollout rank at 1 s/group, 4 idle trainers: " + ", ".join(ends))
@@ -316,8 +331,8 @@ def _demo() -> None:
     print(f"split by trajectories: trainers' shares {shares}; group {first + 1}'s advantages "
           "joined == "
           f"in one piece: {torch.equal(joined[1], join([generate(first + 1, 0, size)])[0])}")
-    bound = StepState(unclaimed=6, in_flight=1, waiting=0, rollout_ranks=1, gen_rollout_s=1.0, gen_trainer_s=1.0,
-                      train_s=2.0)
+    bound = StepState(unclaimed=6, in_flight=1, waiting=0, rollout_ranks=1, gen_rollout_s=1.0,
+                      gen_trainer_s=1.0, train_s=2.0)
     print(f"when training is the bottleneck (2 s/group) it declines: claim {assist_groups(bound)}")
 
 

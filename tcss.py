@@ -1,4 +1,5 @@
-"""TCSS, the one-step-constrained asynchronous policy: versions, weight publishing, the mailbox, generate-ahead.
+"""TCSS, the one-step-constrained asynchronous policy: versions, weight publishing, the mailbox,
+generate-ahead.
 
 Paper: DigenRL, "tightly one-step constrained asynchronous strategy" (docs/DESIGN.md section 5).
 Weights version k is the policy after k optimizer steps; batch k should be generated with version k.
@@ -16,10 +17,10 @@ Invariants (asserted by `check_staleness`, not only tested): staleness = trainer
 version is 0 or 1; every trajectory and group is generated under one version (weights swap only
 between fragments); with async off, a fragment's version always equals its step.
 
-Departures from the paper: the stale budget j is per step and global (an atomic counter in the store,
-`StaleBudget`) rather than per rank (the default j = R gives each rollout rank one on average);
-stale fragments are trained with the PPO ratio against the recorded behaviour log-probs, on-policy
-ones with the detached current log-prob (ratio exactly 1).
+Departures from the paper: the stale budget j is per step and global (an atomic counter in the
+store, `StaleBudget`) rather than per rank (the default j = R gives each rollout rank one on
+average); stale fragments are trained with the PPO ratio against the recorded behaviour log-probs,
+on-policy ones with the detached current log-prob (ratio exactly 1).
 
 Try it: `python3 tcss.py` (alone: a fragment generated ahead, its PPO ratio); in a run,
 `python main.py --placement disaggregated --gap --tsp --tcss --max-stale-fragments 1`.
@@ -43,30 +44,35 @@ def check_staleness(trainer_version: int, fragment_version: int, tcss_on: bool) 
     staleness = trainer_version - fragment_version
     allowed = (0, 1) if tcss_on else (0,)
     if staleness not in allowed:
-        raise AssertionError(f"a fragment generated with weights version {fragment_version} reached a trainer at "
-                             f"version {trainer_version}: staleness {staleness} is outside {allowed}")
+        raise AssertionError(f"a fragment generated with weights version {fragment_version} "
+                             f"reached a trainer at version {trainer_version}: staleness "
+                             f"{staleness} is outside {allowed}")
     return staleness
 
 
-def behaviour_log_prob(current: torch.Tensor, recorded: torch.Tensor, stale: torch.Tensor | bool) -> torch.Tensor:
-    """The stale-pair loss rule: the PPO ratio's denominator. A stale pair (generated one version ago) is
-    trained against the behaviour log-prob its rollout recorded, so the ratio corrects for the older policy
-    and the clip bounds the step; an on-policy pair against its own detached log-prob (ratio exactly 1: the
-    same gradient as Flow-GRPO's on-policy update, without trusting the rollout's numerics)."""
+def behaviour_log_prob(current: torch.Tensor, recorded: torch.Tensor,
+                       stale: torch.Tensor | bool) -> torch.Tensor:
+    """The stale-pair loss rule: the PPO ratio's denominator. A stale pair (generated one version
+    ago) is trained against the behaviour log-prob its rollout recorded, so the ratio corrects for
+    the older policy and the clip bounds the step; an on-policy pair against its own detached
+    log-prob (ratio exactly 1: the same gradient as Flow-GRPO's on-policy update, without trusting
+    the rollout's numerics)."""
     stale = torch.as_tensor(stale, device=current.device)  # one flag, or one per pair [p]
     return torch.where(stale, recorded.to(current.device), current.detach())
 
 
 class Mailbox:
-    """Rollout rank: a background thread receives published weights into CPU buffers; the main thread
-    swaps them into the model between fragments. Waits have no deadline: liveness ends a dead job."""
+    """Rollout rank: a background thread receives published weights into CPU buffers; the main
+    thread swaps them into the model between fragments. Waits have no deadline: liveness ends a dead
+    job."""
 
     def __init__(self, receive: Callable[[], tuple[int, list[torch.Tensor]]]):
         """`receive()` blocks until the next publish and returns (version, one tensor per weight):
         transport.receive_weights on a gloo group of its own, or a queue in the demo."""
         self.receive = receive
         self._cond = threading.Condition()
-        self._latest: tuple[int, list[torch.Tensor] | None] | None = None  # (version, buffers; None once swapped)
+        # (version, buffers; None once swapped)
+        self._latest: tuple[int, list[torch.Tensor] | None] | None = None
         self._held_version = -1  # version of the weights currently in the model
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="weight-mailbox", daemon=True)
@@ -99,8 +105,9 @@ class Mailbox:
         return self._held_version
 
     def wait_for(self, version: int, also_check: Callable[[], None] = lambda: None) -> None:
-        """Block until weights of at least `version` have arrived. `also_check` runs at least once a second
-        while waiting and may raise: the rollout's fragment sender, whose failure means they never will."""
+        """Block until weights of at least `version` have arrived. `also_check` runs at least once a
+        second while waiting and may raise: the rollout's fragment sender, whose failure means they
+        never will."""
         with self._cond:
             while self._latest is None or self._latest[0] < version:
                 self._raise_if_failed()
@@ -110,12 +117,14 @@ class Mailbox:
                 self._cond.wait(1.0)
 
     def swap_into(self, params: list[torch.Tensor]) -> int:
-        """Copy the latest weights into the model (call only between fragments); returns the held version."""
+        """Copy the latest weights into the model (call only between fragments); returns the held
+        version."""
         self._raise_if_failed()
         with self._cond:
             latest = self._latest
             if latest is not None and latest[1] is not None:
-                self._latest = (latest[0], None)  # the buffers are consumed: free them after the copy
+                # the buffers are consumed: free them after the copy
+                self._latest = (latest[0], None)
         if latest is not None and latest[1] is not None and latest[0] > self._held_version:
             with torch.no_grad():
                 for p, t in zip(params, latest[1]):
@@ -130,7 +139,8 @@ class Mailbox:
 
 
 class StaleBudget:
-    """The global per-step budget j of fragments generated one version stale (an atomic store counter)."""
+    """The global per-step budget j of fragments generated one version stale (an atomic store
+    counter)."""
 
     def __init__(self, store, max_stale: int):
         self.store, self.max_stale = store, max_stale
@@ -142,11 +152,13 @@ class StaleBudget:
         self.store.delete_key(f"stale/{step}")
 
 
-def generate_ahead(step: int, last_step: int, latest_version: Callable[[], int], take_budget: Callable[[int], bool],
-                   claim: Callable[[int], tuple[int, int] | None], produce: Callable[[int, tuple[int, int]], None]) -> int:
-    """TCSS on a rollout rank whose batch `step` is fully claimed: while version step + 1 has not arrived,
-    generate fragments of batch step + 1 with the weights held (version step), within the budget.
-    Returns how many it generated."""
+def generate_ahead(step: int, last_step: int, latest_version: Callable[[], int],
+                   take_budget: Callable[[int], bool],
+                   claim: Callable[[int], tuple[int, int] | None],
+                   produce: Callable[[int, tuple[int, int]], None]) -> int:
+    """TCSS on a rollout rank whose batch `step` is fully claimed: while version step + 1 has not
+    arrived, generate fragments of batch step + 1 with the weights held (version step), within the
+    budget. Returns how many it generated."""
     made = 0
     while step + 1 <= last_step and latest_version() < step + 1 and take_budget(step + 1):
         claimed = claim(step + 1)
@@ -157,65 +169,79 @@ def generate_ahead(step: int, last_step: int, latest_version: Callable[[], int],
     return made
 
 
-# --- the rollout side ----------------------------------------------------------------------------------------
+# --- the rollout side -----------------------------------------------------------------------------
 class RolloutWeights:
-    """A rollout rank's weights, for gap.rollout_loop: batch k waits for version k; new weights are swapped in
-    only between fragments (every trajectory and group is generated under one version); with a stale budget,
-    once batch k is fully claimed and version k + 1 has not come, fragments of batch k + 1 with version k."""
+    """A rollout rank's weights, for gap.rollout_loop: batch k waits for version k; new weights are
+    swapped in only between fragments (every trajectory and group is generated under one version);
+    with a stale budget, once batch k is fully claimed and version k + 1 has not come, fragments of
+    batch k + 1 with version k."""
 
-    def __init__(self, mailbox: Mailbox, params: list[torch.Tensor], budget: StaleBudget | None = None,
-                 also_check: Callable[[], None] = lambda: None, tracer=None, forgets: bool = False):
-        self.mailbox, self.params, self.budget, self.also_check = mailbox, params, budget, also_check
-        self.tracer = tracer  # infra.tracing.Tracer or None: a "wait" span while waiting for weights
+    def __init__(self, mailbox: Mailbox, params: list[torch.Tensor],
+                 budget: StaleBudget | None = None, also_check: Callable[[], None] = lambda: None,
+                 tracer=None, forgets: bool = False):
+        self.mailbox, self.params, self.budget, self.also_check = (
+            mailbox, params, budget, also_check)
+        # infra.tracing.Tracer or None: a "wait" span while waiting for weights
+        self.tracer = tracer
         self.forgets = forgets  # one rollout rank deletes the budget's old store keys
 
     def wait_for(self, step: int) -> None:
-        span = self.tracer.span("wait", step=step, what="weights") if self.tracer else contextlib.nullcontext()
+        span = (self.tracer.span("wait", step=step, what="weights") if self.tracer
+                else contextlib.nullcontext())
         with span:  # a failed send means the weights never come: also_check raises it
             self.mailbox.wait_for(step, also_check=self.also_check)
         if self.forgets and self.budget is not None and step >= 2:
-            self.budget.forget(step - 2)  # version `step` is out: no rank generates ahead into step - 1 or before
+            # version `step` is out: no rank generates ahead into step - 1 or before
+            self.budget.forget(step - 2)
 
     def between_fragments(self) -> None:
         self.mailbox.swap_into(self.params)
 
     def version(self, step: int, ahead: bool) -> int:
-        """The version that generates the next fragment of batch `step`: on-policy unless generated ahead."""
+        """The version that generates the next fragment of batch `step`: on-policy unless generated
+        ahead."""
         check_staleness(step, self.mailbox.held_version, tcss_on=ahead)
         return self.mailbox.held_version
 
-    def after_claims(self, step: int, last_step: int, claim: Callable[[int], tuple[int, int] | None],
+    def after_claims(self, step: int, last_step: int,
+                     claim: Callable[[int], tuple[int, int] | None],
                      produce: Callable[[int, tuple[int, int]], None]) -> None:
         if self.budget is not None:
-            generate_ahead(step, last_step, self.mailbox.latest_version, self.budget.take, claim, produce)
+            generate_ahead(step, last_step, self.mailbox.latest_version, self.budget.take, claim,
+                           produce)
 
     def close(self) -> None:
         self.mailbox.join()
 
 
-# --- the trainer side ----------------------------------------------------------------------------------------
+# --- the trainer side -----------------------------------------------------------------------------
 class Publisher:
-    """After each optimizer step the trainer leader publishes the trainable weights with their version.
+    """After each optimizer step the trainer leader publishes the trainable weights with their
+    version.
 
-    weights() yields them whole (gathered one at a time under FSDP: every trainer must iterate, `gathers`);
-    send(tensors, count, version) is the transport (transport.publish_weights) on the leader (`sends`)."""
+    weights() yields them whole (gathered one at a time under FSDP: every trainer must iterate,
+    `gathers`); send(tensors, count, version) is the transport (transport.publish_weights) on the
+    leader (`sends`)."""
 
     def __init__(self, weights: Callable[[], Iterable[torch.Tensor]], count: int,
-                 send: Callable[[Iterable[torch.Tensor], int, int], None], sends: bool, gathers: bool,
-                 on_published: Callable[[float], None] | None = None, tracer=None):
-        self.weights, self.count, self.send, self.sends, self.gathers = weights, count, send, sends, gathers
+                 send: Callable[[Iterable[torch.Tensor], int, int], None], sends: bool,
+                 gathers: bool, on_published: Callable[[float], None] | None = None, tracer=None):
+        self.weights, self.count, self.send, self.sends, self.gathers = (
+            weights, count, send, sends, gathers)
         self.on_published, self.tracer = on_published, tracer
 
     def publish(self, version: int) -> None:
         if not (self.sends or self.gathers):
             return
         start = time.perf_counter()
-        span = self.tracer.span("publish", version=version) if self.tracer else contextlib.nullcontext()
+        span = (self.tracer.span("publish", version=version) if self.tracer
+                else contextlib.nullcontext())
         with span:
             if self.sends:
                 self.send(self.weights(), self.count, version)
             else:
-                collections.deque(self.weights(), maxlen=0)  # take part in each gather, keep nothing
+                # take part in each gather, keep nothing
+                collections.deque(self.weights(), maxlen=0)
         if self.on_published is not None:
             self.on_published(time.perf_counter() - start)
 
@@ -225,7 +251,7 @@ class Publisher:
             self.send([], 0, STOP)
 
 
-# --- python3 tcss.py: the mechanism alone, on fake ranks -------------------------------------------------------
+# --- python3 tcss.py: the mechanism alone, on fake ranks ------------------------------------------
 def _demo() -> None:
     import queue as queue_lib
 
@@ -256,12 +282,14 @@ def _demo() -> None:
         version = weights.version(step, ahead=True)
         x = rollout_theta + torch.randn(3, generator=torch.Generator().manual_seed(claimed[0]))
         made.append((step, version, x, log_prob(x, rollout_theta)))
-        print(f"rollout: batch {step} groups {claimed} generated AHEAD with weights version {version}")
+        print(f"rollout: batch {step} groups {claimed} generated AHEAD with weights version "
+              f"{version}")
 
     wire.put((0, [theta.clone()]))  # the leader publishes version 0
     weights.wait_for(0)
     weights.between_fragments()
-    print(f"rollout: holds version {mailbox.held_version}; batch 0 fully claimed, version 1 not here yet")
+    print(f"rollout: holds version {mailbox.held_version}; batch 0 fully claimed, version 1 not "
+          "here yet")
     weights.after_claims(0, 1, lambda step: next(claims), produce)
     print(f"rollout: stale budget j = 1 spent after {len(made)} fragment(s)")
     theta += torch.tensor([0.1, -0.1, 0.05])  # the trainer's step on batch 0

@@ -8,15 +8,17 @@
     transport.receive_weights(src, group, shapes)      # TCSS: a rollout rank's mailbox thread
     transport.broadcast_command(command, src, group)   # TSP: the leader's (kind, a, b)
 
-The mechanism files (gap.py, tsp.py, tag.py, tcss.py) never touch torch.distributed for data: main.py
-hands them these functions. Every call here is data plane (comm.py's rule 1): CPU tensors on a gloo group.
+The mechanism files (gap.py, tsp.py, tag.py, tcss.py) never touch torch.distributed for data:
+main.py hands them these functions. Every call here is data plane (comm.py's rule 1): CPU tensors on
+a gloo group.
 
 A fragment is two messages: a fixed-size int64 header (ints, dtypes, shapes, byte lengths), then ONE
-uint8 buffer holding the names and every tensor's bytes (8-byte aligned). One large message costs one
-latency instead of ~20; this matters on gloo/TCP where each message is a round trip.
+uint8 buffer holding the names and every tensor's bytes (8-byte aligned). One large message costs
+one latency instead of ~20; this matters on gloo/TCP where each message is a round trip.
 Weights are (version, count), then consecutive tensors packed into flat buckets of at most
-PUBLISH_BUCKET_BYTES (one broadcast each: a model of many small tensors costs one round trip, not one
-per tensor); a larger tensor goes alone, so the sender never holds more than a bucket plus one tensor.
+PUBLISH_BUCKET_BYTES (one broadcast each: a model of many small tensors costs one round trip, not
+one per tensor); a larger tensor goes alone, so the sender never holds more than a bucket plus one
+tensor.
 """
 from __future__ import annotations
 
@@ -29,13 +31,15 @@ import torch.distributed as dist
 
 from gap import Fragment
 
-# --- the fragment wire format ----------------------------------------------------------------------------
-HEADER_LEN = 160  # int64s: [MAGIC, 5 ints, n_tensors, names_len, payload_bytes], then one row per tensor
+# --- the fragment wire format ---------------------------------------------------------------------
+# int64s: [MAGIC, 5 ints, n_tensors, names_len, payload_bytes], then one row per tensor
+HEADER_LEN = 160
 MAGIC = 0x6469_6765  # "dige"
 MAX_DIMS = 7
 FIXED = 9  # the header's fixed fields before the first tensor row
 ALIGN = 8
-_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.float64]
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8,
+           torch.float64]
 
 
 def _aligned(n: int) -> int:
@@ -52,17 +56,20 @@ def pack_fragment(fragment: Fragment) -> tuple[torch.Tensor, torch.Tensor]:
     tensors = fragment.tensors()
     names = ",".join(tensors).encode()
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
-    chunks = [torch.frombuffer(bytearray(names.ljust(_aligned(len(names)), b" ")), dtype=torch.uint8)]
+    chunks = [torch.frombuffer(bytearray(names.ljust(_aligned(len(names)), b" ")),
+                               dtype=torch.uint8)]
     for i, t in enumerate(tensors.values()):
         row = _row(i)
         if t.ndim > MAX_DIMS or row + 2 + MAX_DIMS > HEADER_LEN:
-            raise ValueError(f"fragment has {len(tensors)} tensors / {t.ndim} dims: over the header's capacity")
+            raise ValueError(f"fragment has {len(tensors)} tensors / {t.ndim} dims: over the "
+                             "header's capacity")
         header[row], header[row + 1] = _DTYPES.index(t.dtype), t.ndim
         header[row + 2:row + 2 + t.ndim] = torch.tensor(t.shape)
         raw = t.contiguous().reshape(-1).view(torch.uint8)
         chunks += [raw, torch.zeros(_aligned(raw.numel()) - raw.numel(), dtype=torch.uint8)]
     payload_bytes = sum(c.numel() for c in chunks)
-    header[:FIXED] = torch.tensor([MAGIC, *fragment.ints(), len(tensors), len(names), payload_bytes])
+    header[:FIXED] = torch.tensor([MAGIC, *fragment.ints(), len(tensors), len(names),
+                                   payload_bytes])
     return header, torch.cat(chunks)
 
 
@@ -125,9 +132,9 @@ def broadcast_fragment(fragment: Fragment | None, src: int, group=None) -> Fragm
 
 
 class FragmentSender:
-    """A background thread that sends finished fragments (gloo, CPU tensors, a group no other thread uses
-    meanwhile), so generation of the next one starts at once. `send(fragment, dst)` is the actual send
-    (main.py wraps send_fragment in a tracing span)."""
+    """A background thread that sends finished fragments (gloo, CPU tensors, a group no other thread
+    uses meanwhile), so generation of the next one starts at once. `send(fragment, dst)` is the
+    actual send (main.py wraps send_fragment in a tracing span)."""
 
     def __init__(self, send: Callable[[Fragment, int], None]):
         self.send, self.items, self.error = send, queue_lib.Queue(), None
@@ -150,33 +157,39 @@ class FragmentSender:
         self.items.put((fragment, dst))
 
     def close(self) -> None:
-        """Send what is queued, then stop. No deadline: each send completes when its trainer receives it,
-        and a dead trainer ends the job through liveness."""
+        """Send what is queued, then stop. No deadline: each send completes when its trainer
+        receives it, and a dead trainer ends the job through liveness."""
         self.items.put(None)
         self.thread.join()
         self.raise_if_failed()
 
 
-# --- bucketed weight publishing ----------------------------------------------------------------------------
+# --- bucketed weight publishing -------------------------------------------------------------------
 PUBLISH_BUCKET_BYTES = 32 << 20  # both ends cut the stream into the same buckets (fits_bucket)
 
 
-def fits_bucket(bucket: list[tuple[int, torch.dtype]], nbytes: int, dtype: torch.dtype, limit: int) -> bool:
-    """Whether a tensor of `nbytes` bytes in `dtype` joins the open bucket (same dtype, total <= limit)."""
+def fits_bucket(bucket: list[tuple[int, torch.dtype]], nbytes: int, dtype: torch.dtype,
+                limit: int) -> bool:
+    """Whether a tensor of `nbytes` bytes in `dtype` joins the open bucket (same dtype,
+    total <= limit)."""
     return bool(bucket) and bucket[0][1] == dtype and sum(b for b, _ in bucket) + nbytes <= limit
 
 
 def publish_weights(tensors: Iterable[torch.Tensor], count: int, version: int, src: int, group,
-                    dtypes: list[torch.dtype] | None = None, bucket_bytes: int = PUBLISH_BUCKET_BYTES) -> None:
-    """The sender: broadcast (version, count) then the `count` tensors as CPU tensors in `dtypes` (the
-    receivers' parameter dtypes), packed into buckets. `tensors` may gather each one just in time (FSDP), so
-    at most one bucket, its flat copy and one whole tensor are held here at once. count 0: the header only."""
+                    dtypes: list[torch.dtype] | None = None,
+                    bucket_bytes: int = PUBLISH_BUCKET_BYTES) -> None:
+    """The sender: broadcast (version, count) then the `count` tensors as CPU tensors in `dtypes`
+    (the receivers' parameter dtypes), packed into buckets. `tensors` may gather each one just in
+    time (FSDP), so at most one bucket, its flat copy and one whole tensor are held here at once.
+    count 0: the header only."""
     dist.broadcast(torch.tensor([version, count], dtype=torch.int64), src=src, group=group)
     bucket: list[torch.Tensor] = []
-    plan: list[tuple[int, torch.dtype]] = []  # (bytes, dtype) of the bucket's tensors: what fits_bucket reads
+    # (bytes, dtype) of the bucket's tensors: what fits_bucket reads
+    plan: list[tuple[int, torch.dtype]] = []
 
     def flush() -> None:
-        flat = bucket[0].reshape(-1) if len(bucket) == 1 else torch.cat([b.reshape(-1) for b in bucket])
+        flat = (bucket[0].reshape(-1) if len(bucket) == 1
+                else torch.cat([b.reshape(-1) for b in bucket]))
         bucket.clear()
         plan.clear()
         dist.broadcast(flat, src=src, group=group)  # [bucket numel] in the bucket's dtype
@@ -225,8 +238,8 @@ def receive_buckets(src: int, group, shapes: list[tuple[torch.Size, torch.dtype]
 
 def receive_weights(src: int, group, shapes: list[tuple[torch.Size, torch.dtype]],
                     bucket_bytes: int = PUBLISH_BUCKET_BYTES) -> tuple[int, list[torch.Tensor]]:
-    """The receiver (blocks until the next publish): (version, one tensor per weight); (version, []) for a
-    header-only message (tcss.STOP)."""
+    """The receiver (blocks until the next publish): (version, one tensor per weight); (version, [])
+    for a header-only message (tcss.STOP)."""
     header = torch.empty(2, dtype=torch.int64)
     dist.broadcast(header, src=src, group=group)
     version, count = int(header[0]), int(header[1])
@@ -237,8 +250,9 @@ def receive_weights(src: int, group, shapes: list[tuple[torch.Size, torch.dtype]
     return version, receive_buckets(src, group, shapes, bucket_bytes)
 
 
-# --- TSP's commands ----------------------------------------------------------------------------------------
-def broadcast_command(command: tuple[int, int, int] | None, src: int, group) -> tuple[int, int, int]:
+# --- TSP's commands -------------------------------------------------------------------------------
+def broadcast_command(command: tuple[int, int, int] | None, src: int,
+                      group) -> tuple[int, int, int]:
     """The leader's (kind, a, b) to every trainer (data plane: a CPU tensor on a gloo group)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return command

@@ -1,27 +1,28 @@
-"""TSP, time-step parallelism: a fragment's (sample, timestep) pairs, packed and spread evenly over trainers.
+"""TSP, time-step parallelism: a fragment's (sample, timestep) pairs, packed and spread evenly over
+trainers.
 
-Paper: DigenRL, "time-step parallelism" (docs/DESIGN.md section 5). A diffusion trajectory is trained at
-T_train timesteps, and each (sample, timestep) pair is an independent forward+backward: the policy
-loss of one SDE step depends only on x_t, x_t+1, sigma_t and the sample's advantage. So a fragment's
-m * T_train pairs can be packed `pack` at a time into one forward with per-sample timesteps, and
-split evenly over the K trainer ranks. Every trainer works on every fragment (the tail shrinks
-K-fold) and every rank runs the same number of passes, which FSDP requires.
+Paper: DigenRL, "time-step parallelism" (docs/DESIGN.md section 5). A diffusion trajectory is
+trained at T_train timesteps, and each (sample, timestep) pair is an independent forward+backward:
+the policy loss of one SDE step depends only on x_t, x_t+1, sigma_t and the sample's advantage. So a
+fragment's m * T_train pairs can be packed `pack` at a time into one forward with per-sample
+timesteps, and split evenly over the K trainer ranks. Every trainer works on every fragment (the
+tail shrinks K-fold) and every rank runs the same number of passes, which FSDP requires.
 
 Invariant: the summed gradient equals the per-timestep loop's (allclose in float32): packing only
-changes which pairs share a forward, never a pair's loss or weight. Padding pairs (when K * pack does
-not divide m * T_train) repeat a real pair with weight 0, so they cost compute but add nothing.
+changes which pairs share a forward, never a pair's loss or weight. Padding pairs (when K * pack
+does not divide m * T_train) repeat a real pair with weight 0, so they cost compute but add nothing.
 
-Packs that span fragments (`PackStream`, `--tsp-span`, the default): a trainer's pairs of consecutive
-fragments of one step fill the same packs (pair k of the step's stream goes to trainer k mod K); a
-pack is trained as soon as every trainer can fill one and only the last pack before each update is
-padded, so padding is paid once per update, not once per fragment. Same invariant.
+Packs that span fragments (`PackStream`, `--tsp-span`, the default): a trainer's pairs of
+consecutive fragments of one step fill the same packs (pair k of the step's stream goes to trainer
+k mod K); a pack is trained as soon as every trainer can fill one and only the last pack before each
+update is padded, so padding is paid once per update, not once per fragment. Same invariant.
 
 Departures from the paper: pairs are dealt round-robin (rank r gets pairs r, r+K, ...) rather than
 by contiguous timestep ranges, which balances high- and low-noise steps across ranks.
 
-The protocol (`lockstep_fragments`): under TSP the trainer group moves in lockstep. The leader decides
-what the group does next (train the next announced fragment, or, with TAG, generate groups it
-claimed), broadcasts that small command over the trainers' data group, and every trainer gets the
+The protocol (`lockstep_fragments`): under TSP the trainer group moves in lockstep. The leader
+decides what the group does next (train the next announced fragment, or, with TAG, generate groups
+it claimed), broadcasts that small command over the trainers' data group, and every trainer gets the
 same fragment (the leader receives it and broadcasts it), then trains its own share of its pairs.
 
 Try it: `python3 tsp.py` (alone, fake ranks: packs per trainer); in a run,
@@ -54,12 +55,14 @@ def tsp_packs(num_samples: int, num_train_timesteps: int, rank: int, world: int,
     """
     if pack < 1:
         raise ValueError(f"--tsp-pack must be >= 1, got {pack}")
-    pairs = [(i, j) for j in range(num_train_timesteps) for i in range(num_samples)]  # timestep-major
+    # timestep-major
+    pairs = [(i, j) for j in range(num_train_timesteps) for i in range(num_samples)]
     per_rank = math.ceil(len(pairs) / world)
     per_rank = math.ceil(per_rank / pack) * pack
     mine = pairs[rank::world]
     mask = [1.0] * len(mine) + [0.0] * (per_rank - len(mine))
-    mine = mine + [pairs[0]] * (per_rank - len(mine))  # weight-0 padding: same shape, no contribution
+    # weight-0 padding: same shape, no contribution
+    mine = mine + [pairs[0]] * (per_rank - len(mine))
     packs = [mine[s:s + pack] for s in range(0, per_rank, pack)]
     masks = [mask[s:s + pack] for s in range(0, per_rank, pack)]
     return packs, masks
@@ -67,7 +70,8 @@ def tsp_packs(num_samples: int, num_train_timesteps: int, rank: int, world: int,
 
 def trainer_packs(num_samples: int, num_train_timesteps: int, rank: int, world: int, pack: int,
                   spread: bool = True) -> tuple[list[list[Pair]], list[list[float]]]:
-    """What a trainer trains of a fragment: its TSP share (`spread`), else the whole fragment per timestep."""
+    """What a trainer trains of a fragment: its TSP share (`spread`), else the whole fragment per
+    timestep."""
     if spread:
         return tsp_packs(num_samples, num_train_timesteps, rank, world, pack)
     packs = per_timestep_packs(num_samples, num_train_timesteps)
@@ -75,22 +79,25 @@ def trainer_packs(num_samples: int, num_train_timesteps: int, rank: int, world: 
 
 
 class PackStream:
-    """TSP packs that span fragments: this trainer's pairs of consecutive fragments fill the same packs, so
-    padding happens once per update (flush), not once per fragment. Pair k of the stream (fragments in
-    arrival order, each timestep-major) goes to trainer k mod K, so at any moment every trainer holds
-    within one pair of the others; a pack is emitted when every trainer can fill one (all trainers see the
-    same fragments under TSP's lockstep, so all emit the same number of passes, which FSDP requires)."""
+    """TSP packs that span fragments: this trainer's pairs of consecutive fragments fill the same
+    packs, so padding happens once per update (flush), not once per fragment. Pair k of the stream
+    (fragments in arrival order, each timestep-major) goes to trainer k mod K, so at any moment
+    every trainer holds within one pair of the others; a pack is emitted when every trainer can fill
+    one (all trainers see the same fragments under TSP's lockstep, so all emit the same number of
+    passes, which FSDP requires)."""
 
     def __init__(self, rank: int, world: int, pack: int):
         if pack < 1:
             raise ValueError(f"--tsp-pack must be >= 1, got {pack}")
         self.rank, self.world, self.pack = rank, world, pack
-        self.dealt, self.passes = 0, 0  # pairs dealt to all trainers; packs emitted (the same on all)
+        # pairs dealt to all trainers; packs emitted (the same on all)
+        self.dealt, self.passes = 0, 0
         self.waiting: list[tuple[object, Pair]] = []  # mine, not yet packed: (fragment, pair)
         self.last: tuple[object, Pair] | None = None  # a real pair to repeat as weight-0 padding
 
     def add(self, fragment) -> list[tuple[list[tuple[object, Pair]], list[float]]]:
-        """Deal `fragment`'s pairs; returns the packs every trainer can now fill: (items, mask) each."""
+        """Deal `fragment`'s pairs; returns the packs every trainer can now fill: (items, mask)
+        each."""
         m, t_train = fragment.latents.shape[:2]
         pairs = [(i, j) for j in range(t_train) for i in range(m)]  # timestep-major, as tsp_packs
         first = (self.rank - self.dealt) % self.world  # my first pair's index in this fragment
@@ -101,8 +108,10 @@ class PackStream:
         return self._take(ready * self.pack, ready)
 
     def flush(self) -> list[tuple[list[tuple[object, Pair]], list[float]]]:
-        """The rest, padded: as many packs as the trainer holding the most pairs needs. Then a new stream."""
-        packs = self._take(len(self.waiting), spanning_passes(self.dealt, self.world, self.pack, True) - self.passes)
+        """The rest, padded: as many packs as the trainer holding the most pairs needs. Then a new
+        stream."""
+        packs = self._take(len(self.waiting),
+                           spanning_passes(self.dealt, self.world, self.pack, True) - self.passes)
         self.dealt = self.passes = 0
         self.last = None
         return packs
@@ -118,7 +127,8 @@ class PackStream:
 
 def gather_spanning(items: list[tuple[object, Pair]]) -> dict[str, torch.Tensor]:
     """gather_pairs over pairs of several fragments: one batch, the pairs in `items` order."""
-    runs: list[tuple[object, list[Pair]]] = []  # consecutive pairs of one fragment, gathered together
+    # consecutive pairs of one fragment, gathered together
+    runs: list[tuple[object, list[Pair]]] = []
     for fragment, pair in items:
         if runs and runs[-1][0] is fragment:
             runs[-1][1].append(pair)
@@ -149,9 +159,10 @@ def gather_pairs(fragment, pairs: list[Pair]) -> dict[str, torch.Tensor]:
 
 def spanning_passes(pairs: int, trainers: int, pack: int, last: bool) -> int:
     """Packs spanning fragments (PackStream): passes every trainer has run once `pairs` pairs of a
-    minibatch are in. Trainer r holds pairs r, r + K, ..., so the fullest common share is floor(pairs / K)
-    pairs: floor(. / pack) full packs, run as soon as they fill; `last` (the flush before an update):
-    ceil(ceil(pairs / K) / pack), the last one padded. The simulator (tools/sim_model.py) uses it too."""
+    minibatch are in. Trainer r holds pairs r, r + K, ..., so the fullest common share is
+    floor(pairs / K) pairs: floor(. / pack) full packs, run as soon as they fill; `last` (the flush
+    before an update): ceil(ceil(pairs / K) / pack), the last one padded. The simulator
+    (tools/sim_model.py) uses it too."""
     if last:
         return math.ceil(math.ceil(pairs / trainers) / pack)
     return pairs // trainers // pack
@@ -163,12 +174,15 @@ def num_passes(num_samples: int, num_train_timesteps: int, world: int, pack: int
 
 
 # --- the lockstep protocol of the trainer group --------------------------------------------------
-TRAIN, PRODUCE = 0, 1  # commands: train announced fragment `a`; produce groups [a, a + b) here (e.g. TAG)
+# commands: train announced fragment `a`; produce groups [a, a + b) here (e.g. TAG)
+TRAIN, PRODUCE = 0, 1
 Command = tuple[int, int, int]  # (kind, a, b)
 
 
-def wait_for_arrival(poll: Callable[[int], bool], poll_s: float = 0.001) -> Callable[[int, int], Command]:
-    """The leader's default strategy: wait (no deadline) until announcement `next_seq` exists, train it."""
+def wait_for_arrival(poll: Callable[[int], bool],
+                     poll_s: float = 0.001) -> Callable[[int, int], Command]:
+    """The leader's default strategy: wait (no deadline) until announcement `next_seq` exists, train
+    it."""
     def decide(next_seq: int, groups_done: int) -> Command:
         while not poll(next_seq):
             time.sleep(poll_s)
@@ -176,16 +190,19 @@ def wait_for_arrival(poll: Callable[[int], bool], poll_s: float = 0.001) -> Call
     return decide
 
 
-def lockstep_fragments(groups_per_step: int, is_leader: bool, decide: Callable[[int, int], Command] | None,
+def lockstep_fragments(groups_per_step: int, is_leader: bool,
+                       decide: Callable[[int, int], Command] | None,
                        share_command: Callable[[Command | None], Command],
                        receive: Callable[[int], object], share_fragment: Callable[[object], object],
                        produce: Callable[[int, int], object]) -> Iterator:
-    """Every trainer iterates the same fragments of one step, in the same order, until all groups are in.
+    """Every trainer iterates the same fragments of one step, in the same order, until all groups
+    are in.
 
-    decide(next_seq, groups_done) is the leader's strategy (wait_for_arrival, or tag.Assistant's); it runs on
-    the leader only and may wait. share_command broadcasts its command (transport.broadcast_command);
-    receive(seq) is the leader's receive of announced fragment `seq`; share_fragment broadcasts the leader's
-    copy to the group; produce(first_group, num_groups) runs on every trainer for a PRODUCE command."""
+    decide(next_seq, groups_done) is the leader's strategy (wait_for_arrival, or tag.Assistant's);
+    it runs on the leader only and may wait. share_command broadcasts its command
+    (transport.broadcast_command); receive(seq) is the leader's receive of announced fragment `seq`;
+    share_fragment broadcasts the leader's copy to the group; produce(first_group, num_groups) runs
+    on every trainer for a PRODUCE command."""
     next_seq, groups_done = 0, 0
     while groups_done < groups_per_step:
         kind, a, b = share_command(decide(next_seq, groups_done) if is_leader else None)
@@ -198,21 +215,23 @@ def lockstep_fragments(groups_per_step: int, is_leader: bool, decide: Callable[[
         yield fragment
 
 
-# --- python3 tsp.py: the mechanism alone, on fake trainers ------------------------------------------------
+# --- python3 tsp.py: the mechanism alone, on fake trainers ----------------------------------------
 def _demo() -> None:
     import types
 
     m, t_train, trainers, pack, dim = 3, 4, 2, 4, 5
     g = torch.Generator().manual_seed(0)
     fragment = types.SimpleNamespace(  # a fragment's tensors, as gap.Fragment holds them
-        latents=torch.randn(m, t_train, dim, generator=g), next_latents=torch.randn(m, t_train, dim, generator=g),
+        latents=torch.randn(m, t_train, dim, generator=g),
+        next_latents=torch.randn(m, t_train, dim, generator=g),
         sigmas=torch.rand(m, t_train, generator=g), sigmas_next=torch.rand(m, t_train, generator=g),
-        log_probs=torch.zeros(m, t_train), advantages=torch.randn(m, generator=g), cond={"e": torch.zeros(m, 1)},
-        num_groups=1)
+        log_probs=torch.zeros(m, t_train), advantages=torch.randn(m, generator=g),
+        cond={"e": torch.zeros(m, 1)}, num_groups=1)
     theta = torch.zeros(dim, requires_grad=True)
 
     def gradient(packs: list[list[Pair]], masks: list[list[float]]) -> torch.Tensor:
-        """Sum over packs of the weighted pair losses' gradient (weight 1/(m T_train) per real pair)."""
+        """Sum over packs of the weighted pair losses' gradient (weight 1/(m T_train) per real
+        pair)."""
         theta.grad = None
         for p, mask in zip(packs, masks):
             batch = gather_pairs(fragment, p)
@@ -226,7 +245,8 @@ def _demo() -> None:
     total = torch.zeros(dim)
     for rank in range(trainers):
         packs, masks = tsp_packs(m, t_train, rank, trainers, pack)
-        print(f"  trainer {rank}: {len(packs)} packs {packs} (padding: {sum(x == 0 for k in masks for x in k)})")
+        print(f"  trainer {rank}: {len(packs)} packs {packs} "
+              f"(padding: {sum(x == 0 for k in masks for x in k)})")
         total += gradient(packs, masks)
     reference = gradient(*trainer_packs(m, t_train, 0, 1, pack, spread=False))
     print(f"summed TSP gradient == per-timestep loop's: {torch.allclose(total, reference)}")
@@ -234,12 +254,14 @@ def _demo() -> None:
     spanning = sum(len(mask) for s in streams for _ in range(3) for _, mask in s.add(fragment)) \
         + sum(len(mask) for s in streams for _, mask in s.flush())
     per_fragment = 3 * trainers * num_passes(m, t_train, trainers, pack) * pack
-    print(f"3 fragments: {spanning} pair slots with packs spanning fragments, {per_fragment} packed one by one "
-          f"({3 * m * t_train} real pairs)")
+    print(f"3 fragments: {spanning} pair slots with packs spanning fragments, {per_fragment} "
+          f"packed one by one ({3 * m * t_train} real pairs)")
     commands = iter([(TRAIN, 0, 0), (PRODUCE, 1, 1), (TRAIN, 1, 0)])
     steps = lockstep_fragments(3, True, lambda seq, done: next(commands), share_command=lambda c: c,
-                               receive=lambda seq: fragment, share_fragment=lambda f: f, produce=lambda a, b: fragment)
-    print(f"lockstep: the leader's commands train, produce, train -> {len(list(steps))} fragments, 3 groups")
+                               receive=lambda seq: fragment, share_fragment=lambda f: f,
+                               produce=lambda a, b: fragment)
+    print(f"lockstep: the leader's commands train, produce, train -> {len(list(steps))} fragments, "
+          "3 groups")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,13 @@
-"""The callables main.py hands the mechanisms: transport (transport.py) wrapped in tracing spans and liveness
-names, the rollout's timed generation (TAG's predictor reads it), and the trainer group's fragments per step.
+"""The callables main.py hands the mechanisms: transport (transport.py) wrapped in tracing spans and
+liveness names, the rollout's timed generation (TAG's predictor reads it), and the trainer group's
+fragments per step.
 
-    send = Send(tracer, group)                                 # gap.rollout_loop's send, on the sender thread
-    generate = TimedGenerate(generate_fragment, rank, times)   # reports seconds per group to tag.RolloutTimes
-    fragments = TrainerFragments(...)                          # gap.TrainerSide.fragments_of: dealt or TSP
+    # gap.rollout_loop's send, on the sender thread
+    send = Send(tracer, group)
+    # reports seconds per group to tag.RolloutTimes
+    generate = TimedGenerate(generate_fragment, rank, times)
+    # gap.TrainerSide.fragments_of: dealt or TSP
+    fragments = TrainerFragments(...)
 
 None of these decide anything: the decisions are the mechanisms' (gap, tsp, tag, tcss).
 """
@@ -35,7 +39,8 @@ class Send:
 
 
 class TimedGenerate:
-    """generate(step, first, count, version) on a rollout rank, its time per group reported for TAG."""
+    """generate(step, first, count, version) on a rollout rank, its time per group reported for
+    TAG."""
 
     def __init__(self, generate: Callable[..., gap.Fragment], rank: int, times: tag.RolloutTimes):
         self.generate, self.rank, self.times = generate, rank, times
@@ -48,39 +53,44 @@ class TimedGenerate:
 
 
 def destination(groups: comm.Groups, spread: bool, seq: int) -> int:
-    """Where announced fragment `seq` goes: the leader under TSP (it shares it), else dealt round-robin."""
+    """Where announced fragment `seq` goes: the leader under TSP (it shares it), else dealt
+    round-robin."""
     return groups.leader if spread else groups.trainer_ranks[seq % groups.num_trainers]
 
 
 class TrainerFragments:
-    """The fragments this trainer trains in a step: without TSP whole fragments dealt round-robin (GAP); with
-    TSP the trainer group's lockstep, the leader deciding (tsp.wait_for_arrival, or TAG's strategy)."""
+    """The fragments this trainer trains in a step: without TSP whole fragments dealt round-robin
+    (GAP); with TSP the trainer group's lockstep, the leader deciding (tsp.wait_for_arrival, or
+    TAG's strategy)."""
 
-    def __init__(self, cfg, groups: comm.Groups, queue: gap.FragmentQueue, tracer, progress: Progress,
-                 generate: Callable[..., gap.Fragment], version: Callable[[], int],
-                 assistant: tag.Assistant | None):
-        self.cfg, self.groups, self.queue, self.tracer, self.progress = cfg, groups, queue, tracer, progress
+    def __init__(self, cfg, groups: comm.Groups, queue: gap.FragmentQueue, tracer,
+                 progress: Progress, generate: Callable[..., gap.Fragment],
+                 version: Callable[[], int], assistant: tag.Assistant | None):
+        self.cfg, self.groups, self.queue, self.tracer, self.progress = (
+            cfg, groups, queue, tracer, progress)
         self.generate, self.version, self.assistant = generate, version, assistant
         self.per_step = gap.num_fragments(cfg.prompts_per_step, cfg.fragment_groups)
 
     def __call__(self, step: int) -> Iterable[gap.Fragment]:
         g = self.groups
         if not self.cfg.tsp:
-            return gap.dealt_fragments(self.queue, step, self.per_step, g.trainer_index, g.num_trainers,
-                                       functools.partial(self.receive, step))
+            return gap.dealt_fragments(self.queue, step, self.per_step, g.trainer_index,
+                                       g.num_trainers, functools.partial(self.receive, step))
         poll = functools.partial(self.arrived, step)
         if self.assistant is not None:
             decide = self.assistant.strategy(step, poll, tsp.TRAIN, tsp.PRODUCE)  # TAG
         else:
             decide = tsp.wait_for_arrival(poll)
-        return tsp.lockstep_fragments(self.cfg.prompts_per_step, g.is_leader, functools.partial(self.wait, step, decide),
+        return tsp.lockstep_fragments(self.cfg.prompts_per_step, g.is_leader,
+                                      functools.partial(self.wait, step, decide),
                                       self.share_command, functools.partial(self.receive_seq, step),
                                       self.share_fragment, functools.partial(self.assist, step))
 
     def arrived(self, step: int, seq: int) -> bool:
         return self.queue.poll(step, seq) is not None
 
-    def wait(self, step: int, decide: Callable[[int, int], tsp.Command], next_seq: int, done: int) -> tsp.Command:
+    def wait(self, step: int, decide: Callable[[int, int], tsp.Command], next_seq: int,
+             done: int) -> tsp.Command:
         with self.tracer.span("wait", step=step, what="fragment"):
             return decide(next_seq, done)
 
@@ -93,15 +103,18 @@ class TrainerFragments:
 
     def share_command(self, command: tsp.Command | None) -> tsp.Command:
         with self.progress.inside("command broadcast"):
-            return transport.broadcast_command(command, self.groups.leader, self.groups.trainer_data)
+            return transport.broadcast_command(command, self.groups.leader,
+                                               self.groups.trainer_data)
 
     def share_fragment(self, fragment: gap.Fragment | None) -> gap.Fragment:
         with self.progress.inside("fragment broadcast"):
-            return transport.broadcast_fragment(fragment, self.groups.leader, self.groups.trainer_data)
+            return transport.broadcast_fragment(fragment, self.groups.leader,
+                                                self.groups.trainer_data)
 
     def share_part(self, part: gap.Fragment | None, owner: int) -> gap.Fragment:
         with self.progress.inside("tag share"):
-            return transport.broadcast_fragment(part, self.groups.trainer_ranks[owner], self.groups.trainer_data)
+            return transport.broadcast_fragment(part, self.groups.trainer_ranks[owner],
+                                                self.groups.trainer_data)
 
     def assist(self, step: int, first: int, count: int) -> gap.Fragment:
         """TAG, on every trainer: generate its share of the claimed groups' trajectories with the
@@ -119,7 +132,8 @@ class TrainerFragments:
 
     def generate_part(self, step: int, count: int, first: int, lo: int, hi: int) -> gap.Fragment:
         """Trajectories [lo, hi) of groups [first, first + count): scored, no advantages yet."""
-        return self.generate(step, [(first, count)], self.version(), tag.TAG_PRODUCER, part=(lo, hi))[0]
+        return self.generate(step, [(first, count)], self.version(), tag.TAG_PRODUCER,
+                             part=(lo, hi))[0]
 
     def join(self, parts: list[gap.Fragment]) -> gap.Fragment:
         joined = gap.concat_fragments(parts)  # whole groups again: their advantages can be computed
@@ -127,9 +141,11 @@ class TrainerFragments:
 
 
 def assistant(cfg, groups: comm.Groups, queue: gap.FragmentQueue, job) -> tag.Assistant:
-    """TAG on the trainer leader: the queue's claims and counts, the rollout ranks' reported times."""
+    """TAG on the trainer leader: the queue's claims and counts, the rollout ranks' reported
+    times."""
     times = tag.RolloutTimes(job.prefixed("timing"), groups.rollout_ranks, cfg.fragment_groups)
-    return tag.Assistant(cfg.prompts_per_step, cfg.fragment_groups, len(groups.rollout_ranks), groups.num_trainers,
+    return tag.Assistant(cfg.prompts_per_step, cfg.fragment_groups, len(groups.rollout_ranks),
+                         groups.num_trainers,
                          quantum=1, claim=queue.claim,  # split by trajectories: any claim fits FSDP
                          claimed=queue.num_claimed, announced_groups=queue.num_announced_groups,
                          rollout_gen_s=times.per_fragment_s, steps=cfg.steps,
@@ -137,24 +153,27 @@ def assistant(cfg, groups: comm.Groups, queue: gap.FragmentQueue, job) -> tag.As
 
 
 def publish(groups: comm.Groups, dtype, tensors, count: int, version: int) -> None:
-    """The leader's weights to the rollout ranks, in the rollout's dtype (bf16 even with fp32 masters here)."""
+    """The leader's weights to the rollout ranks, in the rollout's dtype (bf16 even with fp32
+    masters here)."""
     transport.publish_weights(tensors, count, version, groups.leader, groups.publish,
                               dtypes=None if dtype is None else [dtype] * count)
 
 
-def fragment_training(cfg, groups: comm.Groups, trainer: Trainer, bounds: list[tuple[int, int]], t_train: int,
-                      reward_names: list[str], tracer, pace, on_trained) -> tuple[Callable, Callable]:
+def fragment_training(cfg, groups: comm.Groups, trainer: Trainer, bounds: list[tuple[int, int]],
+                      t_train: int, reward_names: list[str], tracer, pace,
+                      on_trained) -> tuple[Callable, Callable]:
     """gap.TrainerSide's `train` and `flush`: TSP's share of each fragment (tsp.trainer_packs; with
-    --tsp-span its packs span fragments, tsp.PackStream, padded at flush), else the whole fragment per
-    timestep; each pair weighs 1/(N_j T_train), its minibatch's mean (gap.minibatch_pairs)."""
+    --tsp-span its packs span fragments, tsp.PackStream, padded at flush), else the whole fragment
+    per timestep; each pair weighs 1/(N_j T_train), its minibatch's mean (gap.minibatch_pairs)."""
     pairs_of = functools.partial(tsp.trainer_packs, rank=groups.trainer_index, pack=cfg.tsp_pack,
                                  world=groups.num_trainers, spread=cfg.tsp)
     stream = tsp.PackStream(groups.trainer_index, groups.num_trainers, cfg.tsp_pack) \
         if cfg.tsp and cfg.tsp_span else None
     denominators = functools.partial(gap.minibatch_pairs, bounds, cfg.group_size, t_train)
-    train = functools.partial(train_fragment, trainer, pairs_of=pairs_of, count=groups.is_leader or not cfg.tsp,
-                              total_pairs=denominators, tcss_on=cfg.use_tcss, reward_names=reward_names,
-                              tracer=tracer, pace=pace, on_trained=on_trained, stream=stream)
+    train = functools.partial(train_fragment, trainer, pairs_of=pairs_of,
+                              count=groups.is_leader or not cfg.tsp, total_pairs=denominators,
+                              tcss_on=cfg.use_tcss, reward_names=reward_names, tracer=tracer,
+                              pace=pace, on_trained=on_trained, stream=stream)
     if stream is None:
         return train, gap.nothing
     return train, functools.partial(flush_packs, trainer, stream, denominators, tracer, pace)

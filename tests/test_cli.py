@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import main
+from infra import cli
 from conftest import ROOT, checkpoint_weights, rank_pids, read_metrics, run_main
 
 pytestmark = pytest.mark.timeout(300)
@@ -74,7 +75,7 @@ def test_bad_input_is_refused_before_any_rank_starts(args, message, bad_files, m
     monkeypatch.setattr(main, "launch", lambda cfg: spawned.append(cfg) or 0)
     monkeypatch.setattr(main, "run_rank", lambda *a, **k: spawned.append(a))
     with pytest.raises((ValueError, FileNotFoundError)) as info:
-        main.prepare(args)
+        cli.prepare(args)
     assert message in str(info.value)
     assert main.main(args) == 2
     assert not spawned
@@ -107,7 +108,7 @@ def test_resume_refuses_a_checkpoint_of_another_config(tiny_cache, tmp_path):
             "--eval-every", "0", "--steps", "1"]
     run_main([*args, "--run-name", "full"], tmp_path, tiny_cache)
     with pytest.raises(ValueError, match="different model or LoRA config: lora: checkpoint False vs now True"):
-        main.prepare([*args, "--lora", "--resume", str(tmp_path / "full")])
+        cli.prepare([*args, "--lora", "--resume", str(tmp_path / "full")])
 
 
 @pytest.mark.parametrize("victim", ["rollout", "trainer"])

@@ -144,3 +144,65 @@ def test_nothing_points_outside_the_repository():
                     if OUTSIDE in line:
                         hits.append(f"{os.path.relpath(path, ROOT)}:{number}")
     assert not hits, hits
+
+
+# --- line width, main.py's length, function length ------------------------------------------------
+MAX_COLUMNS = 100
+WRAPPED = ["main.py", "config.py", "tsp.py", "tag.py", "tcss.py", "rollout.py", "grpo.py",
+           "wiring.py", "transport.py", "comm.py", "batch_rewards.py", "ema.py",
+           "presets.py"]  # gap.py and trainer.py join once they are wrapped
+MAIN_MAX_LINES = 200
+CORE = ["main.py", "gap.py", "tsp.py", "tag.py", "tcss.py", "rollout.py", "trainer.py", "grpo.py"]
+MAX_FUNCTION_LINES = 60
+
+
+def _long_lines(path: str, limit: int = MAX_COLUMNS) -> list[str]:
+    """'file:line (columns)' for every line of `path` wider than `limit` columns."""
+    with open(path, encoding="utf-8") as f:
+        widths = [len(line.rstrip("\n")) for line in f]
+    return [f"{os.path.basename(path)}:{number} ({width} columns)"
+            for number, width in enumerate(widths, 1) if width > limit]
+
+
+def _long_functions(path: str, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """'file:line name (lines)' for every function or method of `path` (nested ones too) longer
+    than `limit` lines, from its `def` line to its last line."""
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    return [f"{os.path.basename(path)}:{node.lineno} {node.name} "
+            f"({node.end_lineno - node.lineno + 1} lines)" for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > limit]
+
+
+def test_the_layout_checks_see_a_long_line_and_a_long_function(tmp_path):
+    """Catches checks that pass whatever the file: a 101-column line and a 61-line method fail."""
+    path = tmp_path / "x.py"
+    path.write_text("x = 1\n" + "#" * MAX_COLUMNS + "\n")
+    assert _long_lines(str(path)) == []
+    path.write_text("x = 1\n" + "#" * (MAX_COLUMNS + 1) + "\n")
+    assert _long_lines(str(path)) == [f"x.py:2 ({MAX_COLUMNS + 1} columns)"]
+    body = "".join(f"        y = {i}\n" for i in range(MAX_FUNCTION_LINES - 1))
+    path.write_text(f"class A:\n    def f(self):\n{body}")  # def + 59 lines: exactly the limit
+    assert _long_functions(str(path)) == []
+    path.write_text(f"class A:\n    def f(self):\n{body}        y = 0\n")
+    assert _long_functions(str(path)) == [f"x.py:2 f ({MAX_FUNCTION_LINES + 1} lines)"]
+
+
+@pytest.mark.parametrize("name", WRAPPED)
+def test_no_line_is_wider_than_100_columns(name):
+    long = _long_lines(os.path.join(ROOT, name))
+    assert not long, f"lines over {MAX_COLUMNS} columns: {long}"
+
+
+def test_main_py_stays_at_most_200_lines():
+    """main.py is the wiring read top to bottom: what grows there belongs in wiring.py or infra/."""
+    with open(os.path.join(ROOT, "main.py"), encoding="utf-8") as f:
+        lines = len(f.readlines())
+    assert lines <= MAIN_MAX_LINES, f"main.py has {lines} lines (at most {MAIN_MAX_LINES})"
+
+
+@pytest.mark.parametrize("name", CORE)
+def test_no_core_function_is_longer_than_60_lines(name):
+    long = _long_functions(os.path.join(ROOT, name))
+    assert not long, f"functions over {MAX_FUNCTION_LINES} lines: {long}"

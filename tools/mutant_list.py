@@ -213,8 +213,8 @@ MUTANTS = [
       "return joined",
       "a TAG fragment trains without advantages (the parts' placeholders)", TAG_E2E),
     M("tag-wrong-version", "wiring.py",
-      "self.generate(step, [(first, count)], self.version(), tag.TAG_PRODUCER, part=(lo, hi))[0]",
-      "self.generate(step, [(first, count)], self.version() - 1, tag.TAG_PRODUCER, part=(lo, hi))[0]",
+      "self.generate(step, [(first, count)], self.version(), tag.TAG_PRODUCER,",
+      "self.generate(step, [(first, count)], self.version() - 1, tag.TAG_PRODUCER,",
       "TAG labels its fragments with the wrong weights version", TAG_E2E),
     # --- tcss.py (TCSS) ------------------------------------------------------------------------
     M("tcss-bound-2", "tcss.py",
