@@ -34,10 +34,11 @@ from tools.bench_analysis import (_median, analyse, cheapest_costs, efficiency, 
                                   load_spans, measured_costs, mode_costs)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Tuned on this 2-core machine (with simulate.py): fragments of 2 groups (M = 2) amortise the ~14 ms
-# a fragment takes to cross gloo; T_train = 8 of T = 24 balances generation and training on
-# 1 rollout + 1 trainer rank.
-QUICK = dict(model="flux", steps=8, num_steps=24, timestep_fraction=0.35, prompts_per_step=4,
+# Tuned on this 2-core machine (with simulate.py): fragments of 2 groups (2 fragments per step) amortise
+# the ~14 ms a fragment takes to cross gloo; T_train = 9 of T = 24 balances generation and training on
+# 1 rollout + 1 trainer rank with two updates per batch (2026-12-03, docs/RESULTS.md section 2: at 8
+# DigenRL was rollout-bound, trainer busy 0.90; at 10 trainer-bound, 0.98, and TAG never acted).
+QUICK = dict(model="flux", steps=8, num_steps=24, timestep_fraction=0.38, prompts_per_step=4,
              group_size=4, fragment_groups=2, tsp_pack=8, nproc=2, rollout_ranks=1)
 HETERO_MODES = "colocated,naive,digenrl"
 
