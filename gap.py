@@ -367,7 +367,7 @@ def train_in_minibatches(items: Iterable[Fragment | Announcement], bounds: list[
                 part = groups_of(item, lo, hi)
                 train(part) if j == current else held[j].append(part)
         while (current < len(bounds) - 1
-               and covered[current] == bounds[current][1] - bounds[current][0]):
+                and covered[current] == bounds[current][1] - bounds[current][0]):
             update(current)
             current += 1
             for part in held[current]:

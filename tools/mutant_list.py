@@ -249,8 +249,8 @@ MUTANTS = [
       TSP_TAG + "test_a_short_tag_claim_still_gives_every_fsdp_trainer_the_same_forwards"),
     # --- trainer.py ------------------------------------------------------------------------------------
     M("fsdp-reference-unsharded", "trainer.py",
-      "    reference = models.frozen_copy(transformer, policy.dtype, on_meta=True) if keep_reference else None",
-      "    reference = policy.freeze_reference() if keep_reference else None",
+      "reference = (models.frozen_copy(transformer, policy.dtype, on_meta=True) if keep_reference",
+      "reference = (policy.freeze_reference() if keep_reference",
       "the KL reference is a whole copy made before sharding, never sharded (issue 22 item 2)",
       "tests/test_memory.py::test_fsdp_trainers_hold_one_kth_of_the_model_and_optimizer"),
     M("trainer-clip-disabled", "trainer.py",
@@ -259,8 +259,10 @@ MUTANTS = [
     M("trainer-clip-before-all-reduce", "trainer.py",
       "        self.all_reduce_gradients()\n"
       "        with self._inside(\"grad-norm all-reduce\"):\n"
+      "            # the global norm\n"
       "            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)",
       "        with self._inside(\"grad-norm all-reduce\"):\n"
+      "            # the global norm\n"
       "            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)\n"
       "            self.all_reduce_gradients()",
       "each rank clips its local gradient before the all-reduce (not the global norm)", K2_CLIPPED),
@@ -385,7 +387,10 @@ MUTANTS = [
       "TAG's leader counts its own claimed groups as the rollout's, in flight",
       PROTOCOL + "test_the_assistant_hands_the_predictor_the_queues_counts_and_scripted_times"),
     M("clip-prompts-misaligned", "rewards/__init__.py",
-      "inputs = processor(text=prompts, ", "inputs = processor(text=prompts[::-1], ",
+      "inputs = processor(text=prompts, images=to_pil_images(images), return_tensors=\"pt\",\n"
+      "                           padding=True, truncation=True)\n",
+      "inputs = processor(text=prompts[::-1], images=to_pil_images(images), return_tensors=\"pt\",\n"
+      "                           padding=True, truncation=True)\n",
       "the CLIP reward scores each image against another image's prompt",
       "tests/test_rewards.py::test_clip_score_is_clips_cosine_of_each_image_with_its_own_prompt"),
     M("flux-timestep-t", "models/flux.py",
