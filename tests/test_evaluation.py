@@ -98,7 +98,7 @@ def test_evaluation_settings_apart_from_training(policy, monkeypatch):
     import types
 
     import config
-    import main
+    from infra import cli
     from infra.bookkeeping import Bookkeeping
 
     seen = []
@@ -120,4 +120,4 @@ def test_evaluation_settings_apart_from_training(policy, monkeypatch):
     for bad, match in ((["--eval-num-steps", "0"], "--eval-num-steps 0 must be >= 1"),
                        (["--eval-guidance", "-1"], "--eval-guidance -1.0 must be >= 0")):
         with pytest.raises(ValueError, match=match):
-            main.prepare(bad)
+            cli.prepare(bad)
