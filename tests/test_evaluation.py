@@ -87,7 +87,7 @@ def test_reward_curve_points_and_legend(tmp_path):
     legend = rundir.plot_reward_curves({"": rows}, str(tmp_path / "curve.png"), eval_too=True)
     assert legend == ["train reward (mean of the step's samples)", "eval: training prompts, held-out seeds",
                       "eval: held-out prompts"]
-    named = rundir.plot_reward_curves({"sync": rows, "async": rows}, str(tmp_path / "two.png"), eval_too=True)
+    named = rundir.plot_reward_curves({"sync": rows, "tcss": rows}, str(tmp_path / "two.png"), eval_too=True)
     assert named[0] == "sync: train reward (mean of the step's samples)" and len(named) == 6
     assert (tmp_path / "curve.png").stat().st_size > 1000
 
