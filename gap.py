@@ -1,4 +1,5 @@
-"""GAP, the generation-axis pipeline: fragments of whole GRPO groups streamed from rollout to trainer.
+"""GAP, the generation-axis pipeline: fragments of whole GRPO groups streamed from rollout to
+trainer.
 
 Paper: DigenRL, "generation-axis pipeline" (docs/DESIGN.md sections 4-5). A batch of B prompts x G
 samples is cut into fragments: contiguous ranges of whole groups. Ranks claim group ranges from an
@@ -8,9 +9,10 @@ A trajectory's prompt and noise seeds depend only on (seed, step, its global ind
 a fragment yields the same trajectories whichever rank generates it and however the batch is cut.
 A finished fragment is announced in the store (sequence number -> producer, groups, destination),
 so the trainer knows whom to receive from without any-source receives (NCCL has none), then sent
-point to point over gloo: a fixed-size int64 header, then one uint8 buffer with every tensor's bytes.
-The trainer side is `trainer_loop`: train each fragment as it arrives (GAP) or after the whole batch
-(the naive barrier), with M updates per batch at fixed group boundaries (`train_in_minibatches`).
+point to point over gloo: a fixed-size int64 header, then one uint8 buffer with every tensor's
+bytes. The trainer side is `trainer_loop`: train each fragment as it arrives (GAP) or after the
+whole batch (the naive barrier), with M updates per batch at fixed group boundaries
+(`train_in_minibatches`).
 
 Invariant: the update from fragments consumed as they arrive equals the full-batch update (allclose
 in float32): every (sample, timestep) pair carries weight 1/(N T_train) and gradients add.
@@ -52,14 +54,16 @@ class Fragment:
     """The wire format: everything the trainer needs to train m trajectories (whole groups)."""
 
     step: int
-    first_group: int  # the fragment's groups are [first_group, first_group + num_groups) of its step
+    # the fragment's groups are [first_group, first_group + num_groups) of its step
+    first_group: int
     policy_version: int  # the weights version that generated every trajectory of this fragment
     producer: int  # rank that generated it (a negative value marks a trainer-assisted fragment)
     group_size: int
     prompt_ids: torch.Tensor  # [m] int64
     cond: dict[str, torch.Tensor]  # prompt embeddings, batch first [m, ...]
     latents: torch.Tensor  # [m, T_train, *latent] x at each trained timestep
-    next_latents: torch.Tensor  # [m, T_train, *latent] x at the following timestep (the scored sample)
+    # [m, T_train, *latent] x at the following timestep (the scored sample)
+    next_latents: torch.Tensor
     timestep_index: torch.Tensor  # [m, T_train] int64 position in the sampling schedule
     sigmas: torch.Tensor  # [m, T_train]
     sigmas_next: torch.Tensor  # [m, T_train]
@@ -67,7 +71,8 @@ class Fragment:
     rewards: torch.Tensor  # [m] the combined reward
     reward_parts: torch.Tensor  # [m, n_rewards] each named reward (for metrics)
     advantages: torch.Tensor  # [m]
-    opens_fragment: bool = True  # False for a later part of a fragment split at a minibatch boundary
+    # False for a later part of a fragment split at a minibatch boundary
+    opens_fragment: bool = True
 
     @property
     def num_samples(self) -> int:
@@ -84,12 +89,14 @@ class Fragment:
         return out
 
     def to(self, device) -> "Fragment":
-        moved = Fragment.from_parts(self.ints(), {k: v.to(device) for k, v in self.tensors().items()})
+        moved = Fragment.from_parts(self.ints(),
+                                    {k: v.to(device) for k, v in self.tensors().items()})
         moved.opens_fragment = self.opens_fragment
         return moved
 
     def ints(self) -> list[int]:
-        """The header fields, in the order from_parts (and the wire format, transport.py) reads them."""
+        """The header fields, in the order from_parts (and the wire format, transport.py) reads
+        them."""
         return [self.step, self.first_group, self.policy_version, self.producer, self.group_size]
 
     @staticmethod
@@ -97,8 +104,8 @@ class Fragment:
         cond = {k[len("cond."):]: v for k, v in tensors.items() if k.startswith("cond.")}
         plain = {k: v for k, v in tensors.items() if not k.startswith("cond.")}
         step, first_group, version, producer, group_size = ints
-        return Fragment(step=step, first_group=first_group, policy_version=version, producer=producer,
-                        group_size=group_size, cond=cond, **plain)
+        return Fragment(step=step, first_group=first_group, policy_version=version,
+                        producer=producer, group_size=group_size, cond=cond, **plain)
 
 
 def concat_fragments(parts: list[Fragment]) -> Fragment:
@@ -110,12 +117,15 @@ def concat_fragments(parts: list[Fragment]) -> Fragment:
 
 # --- batch -> fragments ----------------------------------------------------------------------
 def fragment_spec(seed: int, step: int, first_group: int, num_groups: int, num_prompts_total: int,
-                  groups_per_step: int, group_size: int, shared_group_noise: bool = False) -> FragmentSpec:
-    """Groups [first_group, first_group + num_groups) of step `step`: prompts and seeds depend only on
-    (seed, step, global trajectory index), so any cut of the batch gives the same trajectories."""
+                  groups_per_step: int, group_size: int,
+                  shared_group_noise: bool = False) -> FragmentSpec:
+    """Groups [first_group, first_group + num_groups) of step `step`: prompts and seeds depend only
+    on (seed, step, global trajectory index), so any cut of the batch gives the same
+    trajectories."""
     # The step's prompts: a seeded permutation, so every rank agrees without communication.
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    order = torch.randperm(max(num_prompts_total, groups_per_step), generator=gen) % num_prompts_total
+    order = torch.randperm(max(num_prompts_total, groups_per_step),
+                           generator=gen) % num_prompts_total
     groups = order[:groups_per_step][first_group:first_group + num_groups].tolist()
     prompt_ids = [p for p in groups for _ in range(group_size)]
     base = (seed * 1_000_003 + step) * 1_000_033
@@ -131,7 +141,8 @@ def fragment_spec(seed: int, step: int, first_group: int, num_groups: int, num_p
 
 def num_fragments(groups_per_step: int, fragment_groups: int) -> int:
     if fragment_groups < 1 or groups_per_step % fragment_groups:
-        raise ValueError(f"--fragment-groups {fragment_groups} must divide the {groups_per_step} groups of a step")
+        raise ValueError(f"--fragment-groups {fragment_groups} must divide the {groups_per_step} "
+                         "groups of a step")
     return groups_per_step // fragment_groups
 
 
@@ -151,7 +162,8 @@ class FragmentQueue:
         self.store, self.groups_per_step, self.poll_s = store, groups_per_step, poll_s
 
     def claim(self, step: int, num_groups: int) -> tuple[int, int] | None:
-        """Claim the next `num_groups` unclaimed groups of `step` (fewer at the end): (first, count), or None."""
+        """Claim the next `num_groups` unclaimed groups of `step` (fewer at the end): (first,
+        count), or None."""
         end = self.store.add(f"claim/{step}", num_groups)
         first = end - num_groups
         if first >= self.groups_per_step:
@@ -163,7 +175,8 @@ class FragmentQueue:
 
     def announce(self, step: int, first_group: int, num_groups: int, producer: int,
                  destination_of: Callable[[int], int] | None = None) -> tuple[int, int]:
-        """Publish 'these groups are done by `producer`'; returns (sequence number, destination rank)."""
+        """Publish 'these groups are done by `producer`'; returns (sequence number, destination
+        rank)."""
         seq = self.store.add(f"done/{step}", 1) - 1
         destination = destination_of(seq) if destination_of else -1
         self.store.add(f"done_groups/{step}", num_groups)
@@ -183,41 +196,46 @@ class FragmentQueue:
         return Announcement(*(int(x) for x in self.store.get(key).decode().split(",")))
 
     def wait(self, step: int, seq: int) -> Announcement:
-        """Block until announcement `seq` exists: no deadline (a step may take minutes); liveness ends a
-        job whose producer died. Polled, so the store connection is never held by a blocking wait."""
+        """Block until announcement `seq` exists: no deadline (a step may take minutes); liveness
+        ends a job whose producer died. Polled, so the store connection is never held by a blocking
+        wait."""
         while (found := self.poll(step, seq)) is None:
             time.sleep(self.poll_s)
         return found
 
     def forget_old(self, step: int) -> None:
-        """At the end of step `step`: every rank is past step - 2 (rollout ranks run at most one ahead)."""
+        """At the end of step `step`: every rank is past step - 2 (rollout ranks run at most one
+        ahead)."""
         if step >= 2:
             self.forget(step - 2)
 
     def forget(self, step: int) -> None:
-        """Delete step `step`'s keys once every rank is past it: the store must not grow per step."""
+        """Delete step `step`'s keys once every rank is past it: the store must not grow per
+        step."""
         announced = range(self.num_announced(step))
-        keys = [f"claim/{step}", f"done/{step}", f"done_groups/{step}"] + [f"done/{step}/{s}" for s in announced]
+        keys = [f"claim/{step}", f"done/{step}",
+                f"done_groups/{step}"] + [f"done/{step}/{s}" for s in announced]
         for key in keys:
             self.store.delete_key(key)
 
 
-# --- the 1/(N T_train) weighting ------------------------------------------------------------------------
+# --- the 1/(N T_train) weighting ------------------------------------------------------------------
 def total_pairs(groups_per_step: int, group_size: int, num_train_timesteps: int) -> int:
     """N T_train: the (sample, timestep) pairs of one whole batch."""
     return groups_per_step * group_size * num_train_timesteps
 
 
 def pair_weights(mask: torch.Tensor, num_pairs: int) -> torch.Tensor:
-    """Each real pair's loss weight 1/(N T_train) (0 for padding): whichever rank trains whichever pair, in
-    whatever packing and order, the summed gradient is the full-batch mean's gradient."""
+    """Each real pair's loss weight 1/(N T_train) (0 for padding): whichever rank trains whichever
+    pair, in whatever packing and order, the summed gradient is the full-batch mean's gradient."""
     return mask / num_pairs  # [p]
 
 
-# --- the rollout side: claim, generate, announce, send ----------------------------------------------------
+# --- the rollout side: claim, generate, announce, send --------------------------------------------
 class FixedWeights:
-    """The rollout side's weights when nothing publishes new ones (one process, the demo): always version
-    `step`. tcss.RolloutWeights is the real one (a mailbox, swaps between fragments, generate-ahead)."""
+    """The rollout side's weights when nothing publishes new ones (one process, the demo): always
+    version `step`. tcss.RolloutWeights is the real one (a mailbox, swaps between fragments,
+    generate-ahead)."""
 
     def wait_for(self, step: int) -> None:
         pass
@@ -228,24 +246,28 @@ class FixedWeights:
     def version(self, step: int, ahead: bool) -> int:
         return step
 
-    def after_claims(self, step: int, last_step: int, claim: Callable[[int], tuple[int, int] | None],
+    def after_claims(self, step: int, last_step: int,
+                     claim: Callable[[int], tuple[int, int] | None],
                      produce: Callable[[int, tuple[int, int]], None]) -> None:
         pass
 
 
 def rollout_loop(*, rank: int, steps: range, queue: FragmentQueue, fragment_groups: int,
-                 generate: Callable[[int, int, int, int], Fragment], send: Callable[[Fragment, int], None],
-                 destination_of: Callable[[int], int], weights=None) -> None:
-    """A rollout rank: per step, claim `fragment_groups` groups at a time until none are left; generate each
-    claim with generate(step, first_group, num_groups, version), announce it, send it to its destination
-    (the next generation starts at once: `send` queues). `weights` (FixedWeights, tcss.RolloutWeights) says
-    which version generates and when new weights come in: only ever between fragments."""
+                 generate: Callable[[int, int, int, int], Fragment],
+                 send: Callable[[Fragment, int], None], destination_of: Callable[[int], int],
+                 weights=None) -> None:
+    """A rollout rank: per step, claim `fragment_groups` groups at a time until none are left;
+    generate each claim with generate(step, first_group, num_groups, version), announce it, send it
+    to its destination (the next generation starts at once: `send` queues). `weights` (FixedWeights,
+    tcss.RolloutWeights) says which version generates and when new weights come in: only ever
+    between fragments."""
     weights = weights if weights is not None else FixedWeights()
 
     def produce(step: int, claimed: tuple[int, int], ahead: bool = False) -> None:
         version = weights.version(step, ahead)
         fragment = generate(step, claimed[0], claimed[1], version)
-        _, dst = queue.announce(step, fragment.first_group, fragment.num_groups, rank, destination_of)
+        _, dst = queue.announce(step, fragment.first_group, fragment.num_groups, rank,
+                                destination_of)
         send(fragment, dst)
 
     def produce_ahead(step: int, claimed: tuple[int, int]) -> None:
@@ -263,8 +285,8 @@ def rollout_loop(*, rank: int, steps: range, queue: FragmentQueue, fragment_grou
 
 def claims(queue: FragmentQueue, step: int, fragment_groups: int,
            before_each: Callable[[], object] = lambda: None) -> Iterator[tuple[int, int]]:
-    """Claim `fragment_groups` groups of `step` at a time until none are left; each claim is generated and
-    streamed before the next one is taken."""
+    """Claim `fragment_groups` groups of `step` at a time until none are left; each claim is
+    generated and streamed before the next one is taken."""
     while True:
         before_each()  # e.g. swap in new weights: only ever between fragments
         claimed = queue.claim(step, fragment_groups)
@@ -273,40 +295,41 @@ def claims(queue: FragmentQueue, step: int, fragment_groups: int,
         yield claimed
 
 
-# --- the trainer side: receive and train as fragments arrive ----------------------------------------------
+# --- the trainer side: receive and train as fragments arrive --------------------------------------
 def dealt_fragments(queue: FragmentQueue, step: int, fragments_per_step: int, trainer_index: int,
                     num_trainers: int, receive: Callable[[Announcement], Fragment]
                     ) -> Iterable[Fragment | Announcement]:
-    """Without TSP: trainer k of K receives announcements k, k + K, ... and trains whole fragments. The
-    other trainers' announcements are yielded as they are (no data): they tell which groups are in, which
-    is when a minibatch is complete (train_in_minibatches)."""
+    """Without TSP: trainer k of K receives announcements k, k + K, ... and trains whole fragments.
+    The other trainers' announcements are yielded as they are (no data): they tell which groups are
+    in, which is when a minibatch is complete (train_in_minibatches)."""
     for seq in range(fragments_per_step):
         announcement = queue.wait(step, seq)
         yield receive(announcement) if seq % num_trainers == trainer_index else announcement
 
 
-# --- several updates per batch: minibatches of whole groups, fixed before the batch is generated ----------
+# --- several updates per batch: minibatches of whole groups, fixed before the batch is generated --
 def minibatch_bounds(groups_per_step: int, updates: int) -> list[tuple[int, int]]:
-    """Update j of a step trains groups [lo_j, hi_j): M contiguous ranges of the batch's groups, sizes
-    within one group of each other (lo_j = j B // M). The step's prompts are a seeded permutation
-    (fragment_spec), so a range is a random subset of prompts."""
+    """Update j of a step trains groups [lo_j, hi_j): M contiguous ranges of the batch's groups,
+    sizes within one group of each other (lo_j = j B // M). The step's prompts are a seeded
+    permutation (fragment_spec), so a range is a random subset of prompts."""
     if not 1 <= updates <= groups_per_step:
-        raise ValueError(f"--updates-per-batch {updates} must be between 1 and the {groups_per_step} groups of a "
-                         "step (a minibatch is whole groups)")
+        raise ValueError(f"--updates-per-batch {updates} must be between 1 and the "
+                         f"{groups_per_step} groups of a step (a minibatch is whole groups)")
     cuts = [j * groups_per_step // updates for j in range(updates + 1)]
     return list(zip(cuts[:-1], cuts[1:]))
 
 
 def minibatch_pairs(bounds: list[tuple[int, int]], group_size: int, num_train_timesteps: int,
                     fragment: Fragment) -> int:
-    """N_j T_train: the pairs of the minibatch `fragment` (a part of one) lies in; each update's loss is
-    its minibatch's mean, as Flow-GRPO's (with M = 1, the batch's N T_train)."""
+    """N_j T_train: the pairs of the minibatch `fragment` (a part of one) lies in; each update's
+    loss is its minibatch's mean, as Flow-GRPO's (with M = 1, the batch's N T_train)."""
     lo, hi = next(b for b in bounds if b[0] <= fragment.first_group < b[1])
     return (hi - lo) * group_size * num_train_timesteps
 
 
 def groups_of(fragment: Fragment, lo: int, hi: int) -> Fragment:
-    """The part of `fragment` in groups [lo, hi) of its step (the fragment itself when wholly inside)."""
+    """The part of `fragment` in groups [lo, hi) of its step (the fragment itself when wholly
+    inside)."""
     first, g = fragment.first_group, fragment.group_size
     a, b = max(lo, first), min(hi, first + fragment.num_groups)
     if (a, b) == (first, first + fragment.num_groups):
@@ -320,13 +343,15 @@ def groups_of(fragment: Fragment, lo: int, hi: int) -> Fragment:
 
 
 def train_in_minibatches(items: Iterable[Fragment | Announcement], bounds: list[tuple[int, int]],
-                         train: Callable[[Fragment], None], update: Callable[[int], object]) -> None:
-    """Train a step's fragments in M minibatches with one update after each but the last (the caller's
-    optimizer step ends the RL step). A part of minibatch j is trained as it arrives once updates 0..j-1
-    are done, else held; update j runs once every group of minibatch j is in. `items` are this rank's
-    fragments and, for the groups it does not train itself, their ranges (an Announcement): every rank
-    then sees the same boundaries, and the update is the full-batch computation's whatever the arrival
-    order. Deadlock-free with point-to-point sends: each producer claims, and sends, in group order."""
+                         train: Callable[[Fragment], None],
+                         update: Callable[[int], object]) -> None:
+    """Train a step's fragments in M minibatches with one update after each but the last (the
+    caller's optimizer step ends the RL step). A part of minibatch j is trained as it arrives once
+    updates 0..j-1 are done, else held; update j runs once every group of minibatch j is in. `items`
+    are this rank's fragments and, for the groups it does not train itself, their ranges (an
+    Announcement): every rank then sees the same boundaries, and the update is the full-batch
+    computation's whatever the arrival order. Deadlock-free with point-to-point sends: each producer
+    claims, and sends, in group order."""
     held: list[list[Fragment]] = [[] for _ in bounds]
     covered, current = [0] * len(bounds), 0
     for item in items:
@@ -341,7 +366,8 @@ def train_in_minibatches(items: Iterable[Fragment | Announcement], bounds: list[
             if isinstance(item, Fragment):
                 part = groups_of(item, lo, hi)
                 train(part) if j == current else held[j].append(part)
-        while current < len(bounds) - 1 and covered[current] == bounds[current][1] - bounds[current][0]:
+        while (current < len(bounds) - 1
+                and covered[current] == bounds[current][1] - bounds[current][0]):
             update(current)
             current += 1
             for part in held[current]:
@@ -356,9 +382,10 @@ def nothing(*args) -> None:
 
 @dataclasses.dataclass
 class TrainerSide:
-    """What a trainer rank does, filled in by main.py: which fragments it trains in a step (dealt, or TSP's
-    lockstep), how it trains one, the updates (several per batch: `bounds`), publishing (TCSS), the end of a
-    step. A version is one RL step: published once per step, whatever the number of updates."""
+    """What a trainer rank does, filled in by main.py: which fragments it trains in a step (dealt,
+    or TSP's lockstep), how it trains one, the updates (several per batch: `bounds`), publishing
+    (TCSS), the end of a step. A version is one RL step: published once per step, whatever the
+    number of updates."""
 
     fragments_of: Callable[[int], Iterable[Fragment | Announcement]]
     train: Callable[[Fragment], None]
@@ -367,15 +394,18 @@ class TrainerSide:
     publish: Callable[[int], None]
     end_step: Callable[[int, dict], None]
     before_publish: Callable[[int], object] = nothing  # TAG: claim a share of the next batch
-    update: Callable[[int], object] = nothing  # an update inside the step (minibatch j < M - 1 done)
+    # an update inside the step (minibatch j < M - 1 done)
+    update: Callable[[int], object] = nothing
     bounds: list[tuple[int, int]] | None = None  # minibatch_bounds; None: one update, no boundaries
-    flush: Callable[[], object] = nothing  # before every update: train what is still open (TSP's packs)
+    # before every update: train what is still open (TSP's packs)
+    flush: Callable[[], object] = nothing
     # Batch-level advantages (batch_rewards.py): when set, a step's fragments are first all
     # collected (every group of the step is then produced, TAG's included), restated, then trained.
     restate: Callable[[int, list[Fragment]], list[Fragment]] | None = None
 
     def train_step(self, step: int, items: Iterable[Fragment | Announcement]) -> dict:
-        """One RL step's training: M minibatches, an update after each (open packs flushed first)."""
+        """One RL step's training: M minibatches, an update after each (open packs flushed
+        first)."""
         if self.restate is not None:  # the whole batch's rewards first: no streaming this step
             items = list(items)
             mine = self.restate(step, [f for f in items if isinstance(f, Fragment)])
@@ -394,10 +424,11 @@ class TrainerSide:
 
 
 def trainer_loop(side: TrainerSide, steps: range, streaming: bool) -> None:
-    """A trainer rank: per step, train the fragments as they arrive (GAP) or after the whole batch, one
-    update per minibatch, publish the new weights, then log/evaluate/checkpoint (after publishing, so the
-    rollout ranks are not kept waiting)."""
-    side.publish(side.version())  # version 0, or the resumed one: rollout ranks take their first weights
+    """A trainer rank: per step, train the fragments as they arrive (GAP) or after the whole batch,
+    one update per minibatch, publish the new weights, then log/evaluate/checkpoint (after
+    publishing, so the rollout ranks are not kept waiting)."""
+    # version 0, or the resumed one: rollout ranks take their first weights
+    side.publish(side.version())
     for step in steps:
         items = side.fragments_of(step)
         metrics = side.train_step(step, items if streaming else list(items))
@@ -406,19 +437,23 @@ def trainer_loop(side: TrainerSide, steps: range, streaming: bool) -> None:
         side.end_step(step, metrics)
 
 
-# --- python3 gap.py: the mechanism alone, on fake ranks --------------------------------------------------
-def _demo_fragment(spec: FragmentSpec, version: int, producer: int, t_train: int, dim: int) -> Fragment:
-    """A stand-in for generation: latents from the spec's seeds, reward = the latent's first value."""
+# --- python3 gap.py: the mechanism alone, on fake ranks -------------------------------------------
+def _demo_fragment(spec: FragmentSpec, version: int, producer: int, t_train: int,
+                   dim: int) -> Fragment:
+    """A stand-in for generation: latents from the spec's seeds, reward = the latent's first
+    value."""
     m = len(spec.prompt_ids)
     x = torch.stack([torch.randn(t_train, dim, generator=torch.Generator().manual_seed(s))
                      for s in spec.noise_seeds])  # [m, T_train, dim]
     rewards = x[:, 0, 0]
     grouped = rewards.reshape(-1, spec.group_size)
-    adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-4)).reshape(-1)
+    adv = ((grouped - grouped.mean(1, keepdim=True))
+           / (grouped.std(1, keepdim=True) + 1e-4)).reshape(-1)
     zeros = torch.zeros(m, t_train)
     return Fragment(spec.step, spec.first_group, version, producer, spec.group_size,
-                    torch.tensor(spec.prompt_ids), {"e": torch.zeros(m, 1)}, x, x, torch.zeros(m, t_train).long(),
-                    zeros, zeros, zeros, rewards, rewards[:, None], adv)
+                    torch.tensor(spec.prompt_ids), {"e": torch.zeros(m, 1)}, x, x,
+                    torch.zeros(m, t_train).long(), zeros, zeros, zeros,
+                    rewards, rewards[:, None], adv)
 
 
 def _demo() -> None:
@@ -430,7 +465,8 @@ def _demo() -> None:
     groups, group_size, t_train, dim, rollouts = 6, 2, 3, 4, 2
     store = dist.HashStore()  # the job's TCPStore, in memory
     queue = FragmentQueue(store, groups)
-    mailbox: queue_lib.Queue = queue_lib.Queue()  # the data plane: one trainer, fragments in arrival order
+    # the data plane: one trainer, fragments in arrival order
+    mailbox: queue_lib.Queue = queue_lib.Queue()
     theta = torch.zeros(dim, requires_grad=True)  # the trainer's model: loss = -adv * <theta, x>
     n_pairs = total_pairs(groups, group_size, t_train)
 
@@ -447,12 +483,13 @@ def _demo() -> None:
         weights = pair_weights(torch.ones(fragment.num_samples, t_train), n_pairs)  # [m, T_train]
         loss = -(fragment.advantages[:, None] * (fragment.latents @ theta) * weights).sum()
         loss.backward()
-        print(f"  trained fragment of groups [{fragment.first_group}, {fragment.first_group + fragment.num_groups}) "
+        print(f"  trained fragment of groups [{fragment.first_group}, "
+              f"{fragment.first_group + fragment.num_groups}) "
               f"from rollout rank {fragment.producer}; gradient so far {theta.grad.norm():.4f}")
 
     threads = [threading.Thread(target=rollout, args=(r,)) for r in range(rollouts)]
-    print(f"GAP: {rollouts} rollout ranks claim {groups} groups one at a time; the trainer trains each on arrival, "
-          f"with 2 updates per batch: groups [0, 3), then [3, 6)")
+    print(f"GAP: {rollouts} rollout ranks claim {groups} groups one at a time; the trainer trains "
+          "each on arrival, with 2 updates per batch: groups [0, 3), then [3, 6)")
     for t in threads:
         t.start()
     bounds = minibatch_bounds(groups, 2)
@@ -469,7 +506,8 @@ def _demo() -> None:
     whole = concat_fragments([generate(0, 0, groups, 0, 0)])
     for j, (lo, hi) in enumerate(bounds):
         train(groups_of(whole, lo, hi))
-        print(f"minibatch {j}: streamed gradient == full-batch gradient: {torch.allclose(grads[j], theta.grad)}")
+        print(f"minibatch {j}: streamed gradient == full-batch gradient: "
+              f"{torch.allclose(grads[j], theta.grad)}")
         theta.grad = None
 
 

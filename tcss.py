@@ -9,13 +9,13 @@ tensors: consecutive tensors are packed into flat buckets of at most PUBLISH_BUC
 broadcast each: a model of many small tensors costs one round trip, not one per tensor), a larger
 tensor goes alone, so the sender never holds more than a bucket plus one whole tensor. A rollout
 rank receives them in a background thread (the `Mailbox`) and swaps them into its model only
-between fragments. With async on, once every group of batch k is
+between fragments. With TCSS on, once every group of batch k is
 claimed and version k+1 has not arrived yet (the trainer is still on batch k's tail),
 `generate_ahead` lets rollout ranks generate up to j fragments of batch k+1 with version k.
 
 Invariants (asserted by `check_staleness`, not only tested): staleness = trainer version - fragment
 version is 0 or 1; every trajectory and group is generated under one version (weights swap only
-between fragments); with async off, a fragment's version always equals its step.
+between fragments); with TCSS off, a fragment's version always equals its step.
 
 Departures from the paper: the stale budget j is per step and global (an atomic counter in the
 store, `StaleBudget`) rather than per rank (the default j = R gives each rollout rank one on
@@ -40,7 +40,7 @@ STOP = -1  # the version number that tells mailboxes to exit
 
 
 def check_staleness(trainer_version: int, fragment_version: int, tcss_on: bool) -> int:
-    """The TCSS bound: 0 or 1 with async, exactly 0 without. Returns the staleness."""
+    """The TCSS bound: 0 or 1 with TCSS on, exactly 0 without. Returns the staleness."""
     staleness = trainer_version - fragment_version
     allowed = (0, 1) if tcss_on else (0,)
     if staleness not in allowed:

@@ -1,13 +1,13 @@
-"""Trainer: what a trainer is. Loss over (sample, timestep) pairs, gradient accumulation, clipping, AdamW,
-one step per batch; checkpoints; FSDP2 sharding.
+"""Trainer: what a trainer is. Loss over (sample, timestep) pairs, gradient accumulation, clipping,
+AdamW, one step per batch; checkpoints; FSDP2 sharding.
 
-Every pair carries weight 1/(N T_train) (gap.pair_weights, docs/DESIGN.md section 3), so whichever rank
-trains whichever pair, in whatever packing and order, the summed gradient is the full-batch mean's
-gradient; a stale pair's PPO ratio is against its recorded log-prob (tcss.behaviour_log_prob). Which
-fragments reach this rank and which of their pairs it trains is decided by the mechanisms main.py plugs
-in (gap.trainer_loop, tsp.lockstep_fragments / gap.dealt_fragments, tag.Assistant); this file trains.
-Gradients are summed on the compute plane (comm.py: device tensors, main thread); metrics go over
-the trainers' data group (gloo, CPU).
+Every pair carries weight 1/(N T_train) (gap.pair_weights, docs/DESIGN.md section 3), so whichever
+rank trains whichever pair, in whatever packing and order, the summed gradient is the full-batch
+mean's gradient; a stale pair's PPO ratio is against its recorded log-prob
+(tcss.behaviour_log_prob). Which fragments reach this rank and which of their pairs it trains is
+decided by the mechanisms main.py plugs in (gap.trainer_loop, tsp.lockstep_fragments /
+gap.dealt_fragments, tag.Assistant); this file trains. Gradients are summed on the compute plane
+(comm.py: device tensors, main thread); metrics go over the trainers' data group (gloo, CPU).
 """
 from __future__ import annotations
 
@@ -42,21 +42,24 @@ class TrainConfig:
     noise_level: float = 0.7
     algo: str = "flow_grpo"
     max_bad_steps: int = 3
-    optimizer: str = "adamw"  # or "sgd": plain gradient descent, the update is exactly -lr x gradient
+    # or "sgd": plain gradient descent, the update is exactly -lr x gradient
+    optimizer: str = "adamw"
     collapsed_std: float = 0.0  # a group whose rewards' std is <= this has collapsed (the metric)
     ema: bool = False  # an EMA of the trained weights for evaluation (ema.py)
     ema_decay: float = 0.9
     ema_every: int = 8
-    train_cfg: bool = True  # the training forward runs CFG as the rollout did (Flow-GRPO's train.cfg)
+    # the training forward runs CFG as the rollout did (Flow-GRPO's train.cfg)
+    train_cfg: bool = True
 
     @staticmethod
     def of(cfg) -> "TrainConfig":
         """From the run's config.Config (Adam's eps stays at its default)."""
-        return TrainConfig(lr=cfg.lr, weight_decay=cfg.weight_decay, clip_range=cfg.clip_range,
-                           max_grad_norm=cfg.max_grad_norm, beta=cfg.beta, noise_level=cfg.noise_level,
-                           algo=cfg.algo, max_bad_steps=cfg.max_bad_steps, optimizer=cfg.optimizer,
-                           collapsed_std=cfg.collapsed_std, ema=cfg.ema, ema_decay=cfg.ema_decay,
-                           ema_every=cfg.ema_every, train_cfg=cfg.train_cfg)
+        return TrainConfig(
+            lr=cfg.lr, weight_decay=cfg.weight_decay, clip_range=cfg.clip_range,
+            max_grad_norm=cfg.max_grad_norm, beta=cfg.beta, noise_level=cfg.noise_level,
+            algo=cfg.algo, max_bad_steps=cfg.max_bad_steps, optimizer=cfg.optimizer,
+            collapsed_std=cfg.collapsed_std, ema=cfg.ema, ema_decay=cfg.ema_decay,
+            ema_every=cfg.ema_every, train_cfg=cfg.train_cfg)
 
 
 class MetricSums:
@@ -77,10 +80,12 @@ class MetricSums:
         self.maxs[name] = max(self.maxs.get(name, -math.inf), float(value))
 
     def reduce(self, group, names: tuple[list[str], list[str], list[str]] | None = None) -> None:
-        """Sum/min/max over `group`; every rank must hold the same key sets (pass `names` to force them)."""
+        """Sum/min/max over `group`; every rank must hold the same key sets (pass `names` to force
+        them)."""
         if group is None or dist.get_world_size(group) == 1:
             return
-        for store, op, empty in ((self.sums, dist.ReduceOp.SUM, 0.0), (self.mins, dist.ReduceOp.MIN, math.inf),
+        for store, op, empty in ((self.sums, dist.ReduceOp.SUM, 0.0),
+                                 (self.mins, dist.ReduceOp.MIN, math.inf),
                                  (self.maxs, dist.ReduceOp.MAX, -math.inf)):
             keys = sorted(store)
             gathered: list = [None] * dist.get_world_size(group)
@@ -93,10 +98,10 @@ class MetricSums:
 
 
 class Trainer:
-    def __init__(self, policy, cfg: TrainConfig, compute_group=None, data_group=None, sharded: bool = False,
-                 progress=None):
-        """`progress` (infra.progress.Progress): bumped per pack and per gathered tensor, told which collective
-        the trainer is in (liveness names it when the job is stuck)."""
+    def __init__(self, policy, cfg: TrainConfig, compute_group=None, data_group=None,
+                 sharded: bool = False, progress=None):
+        """`progress` (infra.progress.Progress): bumped per pack and per gathered tensor, told which
+        collective the trainer is in (liveness names it when the job is stuck)."""
         self.policy, self.cfg, self.sharded, self.progress = policy, cfg, sharded, progress
         self.compute_group, self.data_group = compute_group, data_group  # comm.py's two planes
         trainable = [(n, p) for n, p in policy.transformer.named_parameters() if p.requires_grad]
@@ -104,19 +109,24 @@ class Trainer:
         if not self.params:
             raise ValueError("the transformer has no trainable parameters")
         if cfg.beta > 0:
-            policy.freeze_reference()  # the KL reference is the weights as they are now (main.py: before resume)
+            # the KL reference is the weights as they are now (main.py: before resume)
+            policy.freeze_reference()
         if cfg.optimizer == "sgd":
             self.optimizer = torch.optim.SGD(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay)
         else:
-            # fused: one kernel for every tensor (CPU and CUDA; 0.35 vs 1.1 ms per update on the tiny model)
-            self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                                               eps=cfg.adam_eps, fused=fused_adamw_ok(self.params))
+            # fused: one kernel for every tensor (CPU and CUDA; 0.35 vs 1.1 ms per update on the
+            # tiny model)
+            self.optimizer = torch.optim.AdamW(self.params, lr=cfg.lr,
+                                               weight_decay=cfg.weight_decay, eps=cfg.adam_eps,
+                                               fused=fused_adamw_ok(self.params))
         self.step_fn = step_fn(cfg.algo)
         self.version = 0  # the weights version this trainer holds (= RL steps taken, whatever M)
         self.updates_in_step = 0  # optimizer updates already taken in this RL step (0 .. M - 1)
-        self.probe: tuple | None = None  # the last pack trained since the last update, for update_kl
+        # the last pack trained since the last update, for update_kl
+        self.probe: tuple | None = None
         self.nonfinite_loss = False  # a pack since the last update had a non-finite loss
-        self.grad_norms: list[float] = []  # this RL step's updates (global norms: the same on every trainer)
+        # this RL step's updates (global norms: the same on every trainer)
+        self.grad_norms: list[float] = []
         self.bad_steps_in_a_row = 0
         self.updates_total = 0  # optimizer updates over the run (the EMA's u)
         self.ema = ema_lib.Ema(self.params, cfg.ema_decay, cfg.ema_every) if cfg.ema else None
@@ -132,17 +142,19 @@ class Trainer:
         if self.progress is not None:
             self.progress.bump()
 
-    # --- whole weights (FSDP shards are gathered: a collective, so every trainer calls these) ---------
+    # --- whole weights (FSDP shards are gathered: a collective, so every trainer calls these) -----
     def iter_full_weights(self) -> Iterable[torch.Tensor]:
-        """The trainable weights as whole tensors, in `self.params` order, gathered one at a time when
-        sharded (a compute-plane collective: every trainer iterates, in the same order)."""
+        """The trainable weights as whole tensors, in `self.params` order, gathered one at a time
+        when sharded (a compute-plane collective: every trainer iterates, in the same order)."""
         for p in self.params:
             with torch.no_grad():
                 yield p.full_tensor() if _is_sharded(p) else p.detach()
 
     def evaluation_weights(self) -> ContextManager:
-        """The weights evaluation uses: the EMA's (--ema) swapped in for the block, else the trained ones."""
-        return self.ema.swapped_in(self.params) if self.ema is not None else contextlib.nullcontext()
+        """The weights evaluation uses: the EMA's (--ema) swapped in for the block, else the trained
+        ones."""
+        return (self.ema.swapped_in(self.params) if self.ema is not None
+                else contextlib.nullcontext())
 
     def _gathered(self, tensors: list[torch.Tensor], keep: bool) -> dict[str, torch.Tensor]:
         """name -> whole CPU tensor (FSDP shards gathered one at a time; kept only where `keep`)."""
@@ -157,9 +169,10 @@ class Trainer:
         return out
 
     def checkpoint_state(self, keep: bool = True) -> dict | None:
-        """{"weights": name -> CPU tensor, "optimizer": state dict with whole CPU tensors}: the same format
-        sharded or not. Gathered one tensor at a time; only a rank with `keep` (the leader, which writes
-        the file) holds the result, so the others never hold more than one whole tensor beyond their shard."""
+        """{"weights": name -> CPU tensor, "optimizer": state dict with whole CPU tensors}: the same
+        format sharded or not. Gathered one tensor at a time; only a rank with `keep` (the leader,
+        which writes the file) holds the result, so the others never hold more than one whole tensor
+        beyond their shard."""
         weights = self._gathered(self.params, keep)
         shadow = self._gathered(self.ema.shadow, keep) if self.ema is not None else None
         optimizer = self.optimizer.state_dict()
@@ -175,51 +188,61 @@ class Trainer:
         if not keep:
             return None
         optimizer["state"] = state
-        return {"weights": weights, "optimizer": optimizer, "bad_steps_in_a_row": self.bad_steps_in_a_row,
-                "updates_total": self.updates_total, **({"ema": shadow} if shadow is not None else {})}
+        return {"weights": weights, "optimizer": optimizer,
+                "bad_steps_in_a_row": self.bad_steps_in_a_row, "updates_total": self.updates_total,
+                **({"ema": shadow} if shadow is not None else {})}
 
     def load_checkpoint_state(self, state: dict) -> None:
-        """Inverse of checkpoint_state; re-shards whole tensors onto this rank's FSDP shards when sharded."""
+        """Inverse of checkpoint_state; re-shards whole tensors onto this rank's FSDP shards when
+        sharded."""
         with torch.no_grad():
             for name, p in zip(self.names, self.params):
                 p.copy_(_like(state["weights"][name], p))
         optimizer = dict(state["optimizer"])
-        optimizer["state"] = {i: {k: (_like(v, self.params[i]) if v.ndim else v) for k, v in s.items()}
+        optimizer["state"] = {i: {k: (_like(v, self.params[i]) if v.ndim else v)
+                                  for k, v in s.items()}
                               for i, s in optimizer["state"].items()}
         self.optimizer.load_state_dict(optimizer)
-        self.bad_steps_in_a_row = state.get("bad_steps_in_a_row", 0)  # --max-bad-steps counts across a resume
+        # --max-bad-steps counts across a resume
+        self.bad_steps_in_a_row = state.get("bad_steps_in_a_row", 0)
         self.updates_total = state.get("updates_total", 0)
-        if self.ema is not None:  # a checkpoint without an EMA (--ema turned on at resume) starts it here
+        # a checkpoint without an EMA (--ema turned on at resume) starts it here
+        if self.ema is not None:
             with torch.no_grad():
                 for name, shadow, p in zip(self.names, self.ema.shadow, self.params):
                     shadow.copy_(_like(state["ema"][name], p) if "ema" in state else p.detach())
 
     # --- one pack of pairs -------------------------------------------------------------------
     def pair_loss(self, batch, weights: torch.Tensor, recorded: torch.Tensor | bool):
-        """Loss of packed pairs (per-sample timesteps in one forward), weighted; returns (loss, stats, logp).
-        `recorded` [p]: which pairs' ratio is against the rollout's log-prob (tcss.behaviour_log_prob)."""
+        """Loss of packed pairs (per-sample timesteps in one forward), weighted; returns (loss,
+        stats, logp). `recorded` [p]: which pairs' ratio is against the rollout's log-prob
+        (tcss.behaviour_log_prob)."""
         policy = self.policy
-        v = policy.velocity(batch["latents"], batch["sigma"], batch["cond"], cfg=self.cfg.train_cfg)  # [p, ...]
+        # [p, ...]
+        v = policy.velocity(batch["latents"], batch["sigma"], batch["cond"], cfg=self.cfg.train_cfg)
         _, logp, mean, std = self.step_fn(v, batch["latents"], batch["sigma"], batch["sigma_next"],
                                           self.cfg.noise_level, prev_sample=batch["next_latents"])
-        old = tcss.behaviour_log_prob(logp, batch["old_log_prob"], recorded)  # TCSS's stale-pair rule
+        # TCSS's stale-pair rule
+        old = tcss.behaviour_log_prob(logp, batch["old_log_prob"], recorded)
         adv = batch["advantages"].to(logp.device)
         loss, stats = grpo.policy_loss(logp, old, adv, self.cfg.clip_range, weights)
         if self.cfg.beta > 0:
             with torch.no_grad(), policy.reference() as ref:
-                v_ref = policy.velocity(batch["latents"], batch["sigma"], batch["cond"], transformer=ref,
-                                        cfg=self.cfg.train_cfg)
-                _, _, ref_mean, _ = self.step_fn(v_ref, batch["latents"], batch["sigma"], batch["sigma_next"],
-                                                 self.cfg.noise_level, prev_sample=batch["next_latents"])
+                v_ref = policy.velocity(batch["latents"], batch["sigma"], batch["cond"],
+                                        transformer=ref, cfg=self.cfg.train_cfg)
+                _, _, ref_mean, _ = self.step_fn(v_ref, batch["latents"], batch["sigma"],
+                                                 batch["sigma_next"], self.cfg.noise_level,
+                                                 prev_sample=batch["next_latents"])
             kl = grpo.kl_loss(mean, ref_mean, std)  # [p]
             loss = loss + self.cfg.beta * (kl * weights).sum()
             stats["kl"] = (kl.detach() * (weights > 0)).sum() / (weights > 0).sum().clamp(min=1)
         return loss, stats, logp.detach()
 
     def kind_of(self, fragment) -> str:
-        """fresh, later or stale. A pair is scored against its recorded log-prob when stale (TCSS) or when
-        this step already took an update ("later": minibatch j > 0, Flow-GRPO's off-policy inner updates):
-        then the ratio moves and the clip acts; a fresh pair against its own detached log-prob."""
+        """fresh, later or stale. A pair is scored against its recorded log-prob when stale (TCSS)
+        or when this step already took an update ("later": minibatch j > 0, Flow-GRPO's off-policy
+        inner updates): then the ratio moves and the clip acts; a fresh pair against its own
+        detached log-prob."""
         stale = tcss.check_staleness(self.version, fragment.policy_version, tcss_on=True) == 1
         return "stale" if stale else ("later" if self.updates_in_step else "fresh")
 
@@ -227,21 +250,25 @@ class Trainer:
         """Forward+backward over this rank's packs of one fragment; gradients add into .grad."""
         kind = self.kind_of(fragment)
         for pack, mask in zip(packs, masks):
-            self.train_pack(gather_pairs(fragment, pack), mask, [kind] * len(pack), [total_pairs] * len(pack))
+            self.train_pack(gather_pairs(fragment, pack), mask, [kind] * len(pack),
+                            [total_pairs] * len(pack))
 
     def accumulate_spanning(self, packs, total_pairs: Callable) -> None:
-        """The same over packs whose pairs come from several fragments (tsp.PackStream's (items, mask))."""
+        """The same over packs whose pairs come from several fragments (tsp.PackStream's (items,
+        mask))."""
         for items, mask in packs:
             kinds = {id(f): self.kind_of(f) for f, _ in items}
             denominators = {id(f): total_pairs(f) for f, _ in items}
             self.train_pack(gather_spanning(items), mask, [kinds[id(f)] for f, _ in items],
                             [denominators[id(f)] for f, _ in items])
 
-    def train_pack(self, batch, mask: list[float], kinds: list[str], total_pairs: list[int]) -> None:
+    def train_pack(self, batch, mask: list[float], kinds: list[str],
+                   total_pairs: list[int]) -> None:
         """One forward+backward of packed pairs; each pair weighs 1/(N_j T_train), padding 0."""
         dev = self.policy.device
         mask_t = torch.tensor(mask, dtype=torch.float32, device=dev)  # [p]
-        weights = gap.pair_weights(mask_t, torch.tensor(total_pairs, dtype=torch.float32, device=dev))  # [p]
+        weights = gap.pair_weights(mask_t, torch.tensor(total_pairs, dtype=torch.float32,
+                                                        device=dev))  # [p]
         recorded = torch.tensor([k != "fresh" for k in kinds], device=dev)  # [p]
         loss, stats, logp = self.pair_loss(batch, weights, recorded)
         loss.backward()
@@ -256,21 +283,25 @@ class Trainer:
         m.add("pairs", real)
         for k in ("approx_kl", "clipfrac", "ratio_mean") + (("kl",) if "kl" in stats else ()):
             m.add(k, stats[k] * real)
-        m.low("ratio_min", stats["ratio_min"]); m.high("ratio_max", stats["ratio_max"])  # noqa: E702
+        m.low("ratio_min", stats["ratio_min"])
+        m.high("ratio_max", stats["ratio_max"])
         old = tcss.behaviour_log_prob(logp, batch["old_log_prob"], recorded)
         for kind in sorted(set(kinds)):
             of_kind = weights * torch.tensor([k == kind for k in kinds], device=dev)  # [p]
             count = float((of_kind > 0).sum())
             if count == 0:
                 continue
-            _, part = grpo.policy_loss(logp, old, batch["advantages"].to(dev), self.cfg.clip_range, of_kind)
+            _, part = grpo.policy_loss(logp, old, batch["advantages"].to(dev), self.cfg.clip_range,
+                                       of_kind)
             m.add(f"pairs_{kind}", count)
             m.add(f"ratio_mean_{kind}", part["ratio_mean"] * count)
-            m.add(f"clipfrac_{kind}", part["clipfrac"] * count)  # pairs the clip discards (TCSS's cost)
+            # pairs the clip discards (TCSS's cost)
+            m.add(f"clipfrac_{kind}", part["clipfrac"] * count)
             m.low(f"ratio_min_{kind}", part["ratio_min"])
             m.high(f"ratio_max_{kind}", part["ratio_max"])
         logprob_gap = ((logp - batch["old_log_prob"].to(dev)).abs() * mask_t).sum()
-        m.add("logprob_gap", logprob_gap)  # |trainer log-prob - rollout log-prob|: numerics, or staleness
+        # |trainer log-prob - rollout log-prob|: numerics, or staleness
+        m.add("logprob_gap", logprob_gap)
 
     def count_fragment(self, fragment, reward_names: list[str]) -> None:
         """Reward and staleness metrics of a fragment (call on exactly one trainer per fragment)."""
@@ -279,7 +310,8 @@ class Trainer:
         m.add("trajectories", n)
         m.add("stale_trajectories", n * (staleness > 0))
         m.add("staleness_sum", n * staleness)
-        whole = int(fragment.opens_fragment)  # the parts of a fragment split between two updates count once
+        # the parts of a fragment split between two updates count once
+        whole = int(fragment.opens_fragment)
         m.add("fragments", whole)
         m.add("stale_fragments", whole * int(staleness > 0))
         m.add("tag_fragments", whole * int(fragment.producer == tag.TAG_PRODUCER))
@@ -287,22 +319,25 @@ class Trainer:
         m.add("reward_sum", r.sum()); m.add("reward_sq", (r**2).sum())  # noqa: E702
         for i, name in enumerate(reward_names):
             part = fragment.reward_parts[:, i].to(torch.float64)
-            m.add(f"reward_{name}_sum", part.sum()); m.add(f"reward_{name}_sq", (part**2).sum())  # noqa: E702
+            m.add(f"reward_{name}_sum", part.sum())
+            m.add(f"reward_{name}_sq", (part**2).sum())
         groups = r.reshape(-1, fragment.group_size)
         m.add("groups", groups.shape[0])
         # the guard's own rule (grpo.advantages, --collapsed-std; float64, so equal rewards give 0)
         collapsed = groups.std(dim=1, unbiased=False) <= self.cfg.collapsed_std
         m.add("collapsed_groups", collapsed.sum())
 
-    # --- the optimizer updates: M per RL step, the last one ends the step -----------------------------
+    # --- the optimizer updates: M per RL step, the last one ends the step -------------------------
     def update(self) -> float:
-        """One update from the gradients accumulated since the last: sum over the trainers, clip the global
-        norm, AdamW (skipped, weights untouched, when a loss or the gradient is not finite). Returns the
-        global gradient norm before clipping."""
+        """One update from the gradients accumulated since the last: sum over the trainers, clip the
+        global norm, AdamW (skipped, weights untouched, when a loss or the gradient is not finite).
+        Returns the global gradient norm before clipping."""
         self.all_reduce_gradients()
         with self._inside("grad-norm all-reduce"):
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)  # the global norm
-            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            # the global norm
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
+            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
+                              else grad_norm)
         finite = self._losses_finite() and math.isfinite(grad_norm)  # the collective first, always
         if finite:
             self.optimizer.step()
@@ -317,7 +352,8 @@ class Trainer:
         return grad_norm
 
     def step(self, reward_names: list[str]) -> dict[str, float]:
-        """The RL step's last update, then its metrics over every update and trainer; the version moves on."""
+        """The RL step's last update, then its metrics over every update and trainer; the version
+        moves on."""
         grad_norm = self.update()
         with self._inside("metrics all-reduce"):
             self.metrics.reduce(self.data_group)
@@ -326,11 +362,13 @@ class Trainer:
         # --max-bad-steps counts RL steps with a skipped update, whatever M
         self.bad_steps_in_a_row = self.bad_steps_in_a_row + 1 if len(finite) < len(norms) else 0
         if self.bad_steps_in_a_row >= self.cfg.max_bad_steps:
-            raise FloatingPointError(f"{self.bad_steps_in_a_row} optimizer steps in a row had a non-finite loss or "
-                                     f"gradient (--max-bad-steps {self.cfg.max_bad_steps}); aborting")
+            raise FloatingPointError(f"{self.bad_steps_in_a_row} optimizer steps in a row had a "
+                                     "non-finite loss or gradient "
+                                     f"(--max-bad-steps {self.cfg.max_bad_steps}); aborting")
         out = summarize(self.metrics, reward_names)
-        out.update(grad_norm=grad_norm, grad_norm_mean=sum(finite) / max(len(finite), 1), updates=len(norms),
-                   skipped_step=float(len(finite) < len(norms)), skipped_updates=len(norms) - len(finite),
+        out.update(grad_norm=grad_norm, grad_norm_mean=sum(finite) / max(len(finite), 1),
+                   updates=len(norms), skipped_step=float(len(finite) < len(norms)),
+                   skipped_updates=len(norms) - len(finite),
                    bad_steps_in_a_row=float(self.bad_steps_in_a_row))
         self.version += 1
         self.updates_in_step = 0
@@ -338,7 +376,8 @@ class Trainer:
         return out
 
     def _losses_finite(self) -> bool:
-        """Every trainer's loss since the last update is finite: agreed over the data group, so all skip."""
+        """Every trainer's loss since the last update is finite: agreed over the data group, so all
+        skip."""
         bad = torch.tensor([float(self.nonfinite_loss)], dtype=torch.float64)
         self.nonfinite_loss = False
         if self.data_group is not None and dist.get_world_size(self.data_group) > 1:
@@ -347,10 +386,11 @@ class Trainer:
         return not bool(bad.item())
 
     def _score_probe(self) -> None:
-        """update_kl: the approx KL, 0.5 (log p_after - log p_before)^2, between the weights before and
-        after this update on the last pack trained: how far an update moved the policy on the batch's own
-        pairs (a fresh pair's ratio is 1 by construction, so the loss stats cannot show it). One forward,
-        no backward, on every trainer (the same count under FSDP: every trainer trained a pack)."""
+        """update_kl: the approx KL, 0.5 (log p_after - log p_before)^2, between the weights before
+        and after this update on the last pack trained: how far an update moved the policy on the
+        batch's own pairs (a fresh pair's ratio is 1 by construction, so the loss stats cannot show
+        it). One forward, no backward, on every trainer (the same count under FSDP: every trainer
+        trained a pack)."""
         if self.probe is None:
             return
         batch, before, mask = self.probe
@@ -362,13 +402,16 @@ class Trainer:
                                           self.cfg.noise_level, prev_sample=batch["next_latents"])
             self.metrics.add("update_kl_sum", (0.5 * (after - before) ** 2 * mask).sum())
             self.metrics.add("update_kl_pairs", mask.sum())
-        if hasattr(self.policy.transformer, "reshard"):  # FSDP2 leaves a root gathered after a forward
-            self.policy.transformer.reshard()  # without backward: free it, or a whole copy stays alive
+        # FSDP2 leaves a root gathered after a forward without backward: free it, or a whole copy
+        # stays alive
+        if hasattr(self.policy.transformer, "reshard"):
+            self.policy.transformer.reshard()
 
     def all_reduce_gradients(self) -> None:
-        """Compute plane: one flat all-reduce (sum) of every gradient, on the policy device, main thread.
-        Under FSDP the gradients are reduce-scattered during backward instead."""
-        if self.sharded or self.compute_group is None or dist.get_world_size(self.compute_group) == 1:
+        """Compute plane: one flat all-reduce (sum) of every gradient, on the policy device, main
+        thread. Under FSDP the gradients are reduce-scattered during backward instead."""
+        if (self.sharded or self.compute_group is None
+                or dist.get_world_size(self.compute_group) == 1):
             return
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                           for p in self.params])  # [total numel] on the policy device
@@ -414,8 +457,9 @@ def summarize(m: MetricSums, reward_names: list[str]) -> dict[str, float]:
 
 
 def fused_adamw_ok(params: list[torch.Tensor]) -> bool:
-    """torch's fused AdamW takes floating-point tensors on CPU or CUDA (FSDP2's DTensors included); it
-    gives the for-each update to float rounding (tests/test_truth.py pins both to a hand-computed one)."""
+    """torch's fused AdamW takes floating-point tensors on CPU or CUDA (FSDP2's DTensors included);
+    it gives the for-each update to float rounding (tests/test_truth.py pins both to a hand-computed
+    one)."""
     return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
 
 
@@ -424,24 +468,26 @@ def _is_sharded(t) -> bool:
 
 
 def _like(whole: torch.Tensor, param) -> torch.Tensor:
-    """`whole` placed like `param`: the local FSDP shard of it, or a plain tensor on param's device."""
+    """`whole` placed like `param`: the local FSDP shard of it, or a plain tensor on param's
+    device."""
     if _is_sharded(param):
         from torch.distributed.tensor import distribute_tensor
-        return distribute_tensor(whole.to(param.device, param.dtype), param.device_mesh, param.placements)
+        return distribute_tensor(whole.to(param.device, param.dtype), param.device_mesh,
+                                 param.placements)
     return whole.to(param.device, param.dtype)
 
 
-# --- one fragment ---------------------------------------------------------------------------------------
+# --- one fragment ---------------------------------------------------------------------------------
 def train_fragment(trainer: Trainer, fragment: gap.Fragment, *, pairs_of: Callable,
-                   total_pairs: int | Callable[[gap.Fragment], int], count: bool,
-                   tcss_on: bool, reward_names: list[str], tracer=None, on_trained: Callable | None = None,
+                   total_pairs: int | Callable[[gap.Fragment], int], count: bool, tcss_on: bool,
+                   reward_names: list[str], tracer=None, on_trained: Callable | None = None,
                    pace: Callable[[], ContextManager] = contextlib.nullcontext,
                    stream: PackStream | None = None) -> None:
-    """Train this rank's share of a fragment: pairs_of(m, T_train) -> (packs, masks) is TSP's share or the
-    per-timestep loop; with `stream` (TSP packs spanning fragments) the packs every trainer can fill now,
-    the rest at flush_packs. `count` on exactly one trainer per fragment (its rewards enter the metrics
-    once). `tracer` (a "train" span) and `pace` (infra/emulate.py's benchmark emulation) hook in from
-    outside."""
+    """Train this rank's share of a fragment: pairs_of(m, T_train) -> (packs, masks) is TSP's share
+    or the per-timestep loop; with `stream` (TSP packs spanning fragments) the packs every trainer
+    can fill now, the rest at flush_packs. `count` on exactly one trainer per fragment (its rewards
+    enter the metrics once). `tracer` (a "train" span) and `pace` (infra/emulate.py's benchmark
+    emulation) hook in from outside."""
     tcss.check_staleness(trainer.version, fragment.policy_version, tcss_on)  # the TCSS bound
     if count:
         trainer.count_fragment(fragment, reward_names)
@@ -458,8 +504,8 @@ def train_fragment(trainer: Trainer, fragment: gap.Fragment, *, pairs_of: Callab
         on_trained(fragment, time.perf_counter() - start)
 
 
-def flush_packs(trainer: Trainer, stream: PackStream, total_pairs: Callable[[gap.Fragment], int], tracer=None,
-                pace: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
+def flush_packs(trainer: Trainer, stream: PackStream, total_pairs: Callable[[gap.Fragment], int],
+                tracer=None, pace: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
     """Before an update: train the stream's open packs, padded (TSP packs spanning fragments)."""
     _train_packs(trainer, stream.flush(), total_pairs, tracer, pace, None)
 
@@ -476,26 +522,29 @@ def _train_span(tracer, fragment, masks):
     if tracer is None:
         return contextlib.nullcontext()
     return tracer.span("train", step=fragment.step, first_group=fragment.first_group,
-                       pairs=sum(int(sum(mask)) for mask in masks), slots=sum(len(mask) for mask in masks))
+                       pairs=sum(int(sum(mask)) for mask in masks),
+                       slots=sum(len(mask) for mask in masks))
 
 
 def shard_for_fsdp(policy, compute_group, keep_reference: bool) -> None:
-    """FSDP2 over the trainers' compute group: each transformer block is a unit (gathered only while it
-    runs), then the root. With `keep_reference` (full fine-tuning with a KL term) the reference, the initial
-    weights in the policy dtype, is sharded the same way: built on the meta device, each unit filled from the
-    policy's still-whole unit and sharded at once, so no trainer ever holds more than one unit of it whole.
-    The caller must not keep references to the policy's parameters from before this call: FSDP2 frees a
-    parameter's whole storage only when nothing else holds it (main.py collects its lists afterwards)."""
+    """FSDP2 over the trainers' compute group: each transformer block is a unit (gathered only while
+    it runs), then the root. With `keep_reference` (full fine-tuning with a KL term) the reference,
+    the initial weights in the policy dtype, is sharded the same way: built on the meta device, each
+    unit filled from the policy's still-whole unit and sharded at once, so no trainer ever holds
+    more than one unit of it whole. The caller must not keep references to the policy's parameters
+    from before this call: FSDP2 frees a parameter's whole storage only when nothing else holds it
+    (main.py collects its lists afterwards)."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # a DeviceMesh may be passed in (tools/estimate_memory.py builds it outside FakeTensorMode)
-    mesh = compute_group if isinstance(compute_group, DeviceMesh) else DeviceMesh.from_group(compute_group,
-                                                                                            policy.device.type)
+    mesh = (compute_group if isinstance(compute_group, DeviceMesh)
+            else DeviceMesh.from_group(compute_group, policy.device.type))
     # bf16 base + fp32 LoRA: gather and compute in the policy dtype, reduce gradients in fp32.
     mp = MixedPrecisionPolicy(param_dtype=policy.dtype, reduce_dtype=torch.float32)
     transformer = policy.transformer
-    reference = models.frozen_copy(transformer, policy.dtype, on_meta=True) if keep_reference else None
+    reference = (models.frozen_copy(transformer, policy.dtype, on_meta=True) if keep_reference
+                 else None)
     for name, module in transformer.named_modules():
         if isinstance(module, torch.nn.ModuleList) and name.endswith("blocks"):
             for i, block in enumerate(module):
@@ -506,12 +555,15 @@ def shard_for_fsdp(policy, compute_group, keep_reference: bool) -> None:
                 fully_shard(block, mesh=mesh, mp_policy=mp)
     if reference is not None:
         models.fill_from(reference, transformer, policy.dtype)  # what is outside the blocks
-        # reshard after forward even at the root: the reference never runs a backward, which is what would
-        # reshard a root FSDP2 leaves gathered after its forward (its default for the root)
+        # reshard after forward even at the root: the reference never runs a backward, which is
+        # what would reshard a root FSDP2 leaves gathered after its forward (its default for the
+        # root)
         fully_shard(reference, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
         policy.reference_transformer = reference
     fully_shard(transformer, mesh=mesh, mp_policy=mp)
     for module in transformer.modules():
         if hasattr(module, "set_gradient_divide_factor"):
-            module.set_gradient_divide_factor(1.0)  # sum, not mean: pairs already carry 1/(N T_train)
-            module.set_force_sum_reduction_for_comms(True)  # plain SUM collectives: gloo has no PREMUL_SUM
+            # sum, not mean: pairs already carry 1/(N T_train)
+            module.set_gradient_divide_factor(1.0)
+            # plain SUM collectives: gloo has no PREMUL_SUM
+            module.set_force_sum_reduction_for_comms(True)

@@ -21,6 +21,7 @@ import torch
 from PIL import Image
 
 import main
+from infra import cli
 import rewards
 from conftest import ROOT
 from rewards.remote import BACKOFF_CAP_S, backoff_delays
@@ -117,8 +118,8 @@ def test_wrong_score_key_names_the_keys_found_and_the_flag_and_prints_the_pickle
         assert "body <<{'outputs': [" in err and "\\x" not in err  # the answer as data, not pickle bytes
         assert len(log) == 1 and len(log[0][0]["images"]) == 2  # one small request, blank images
         assert log[0][0]["prompts"] == rewards.color_prompts("train")[:2]
-        cfg = main.prepare([*SMALL, "--reward", "remote", "--remote-url", url, "--remote-score-key", "outputs",
-                            "--out-dir", str(tmp_path)])  # the printed hint works
+        cfg = cli.prepare([*SMALL, "--reward", "remote", "--remote-url", url, "--remote-score-key", "outputs",
+                           "--out-dir", str(tmp_path)])  # the printed hint works
         assert cfg.remote_score_key == "outputs" and len(log) == 2
 
 
@@ -139,10 +140,10 @@ def test_wandb_without_a_login_is_refused_and_offline_is_not(monkeypatch, capsys
     err = refused(["--wandb", "--out-dir", str(tmp_path)], monkeypatch, capsys)
     assert "--wandb: no W&B login here" in err and "WANDB_MODE=offline" in err
     (tmp_path / ".netrc").write_text("machine api.wandb.ai\n  login user\n  password x\n")
-    assert main.prepare(["--wandb", "--out-dir", str(tmp_path)]).wandb  # `wandb login` writes this
+    assert cli.prepare(["--wandb", "--out-dir", str(tmp_path)]).wandb  # `wandb login` writes this
     (tmp_path / ".netrc").unlink()
     monkeypatch.setenv("WANDB_MODE", "offline")
-    assert main.prepare(["--wandb", "--out-dir", str(tmp_path)]).wandb
+    assert cli.prepare(["--wandb", "--out-dir", str(tmp_path)]).wandb
 
 
 def test_several_remote_rewards_with_weights_each_on_its_server(tiny_cache, tmp_path, monkeypatch, capsys):
@@ -171,7 +172,7 @@ def test_several_remote_rewards_with_weights_each_on_its_server(tiny_cache, tmp_
         config = tmp_path / "config.json"
         config.write_text(json.dumps({"reward": spec, "remote_url": {"geneval": g_url, "deqa": d_url},
                                       "remote_score_key": {"geneval": "scores", "deqa": "outputs"}}))
-        cfg = main.prepare(["--config", str(config), *SMALL, "--out-dir", str(tmp_path)])
+        cfg = cli.prepare(["--config", str(config), *SMALL, "--out-dir", str(tmp_path)])
         assert (cfg.remote_url, cfg.remote_score_key) == (urls, keys)
         # a run logs them separately
         from conftest import read_metrics, run_main
@@ -219,7 +220,7 @@ def test_a_prompt_file_with_control_characters_is_refused_naming_the_line(tmp_pa
     err = refused(["--prompt-file", str(path), "--reward", "jpeg_compressibility"], monkeypatch, capsys)
     assert f"--prompt-file '{path}' line 3 holds the control character U+0000" in err
     path.write_bytes(b"a red car\r\nan indented\tblue sky\r\n")  # CRLF and tabs are text
-    assert main.prepare(["--prompt-file", str(path), "--reward", "jpeg_compressibility"]).prompt_file == str(path)
+    assert cli.prepare(["--prompt-file", str(path), "--reward", "jpeg_compressibility"]).prompt_file == str(path)
 
 
 def test_init_lora_of_a_peft_folder_reads_its_targets_rank_and_alpha(tiny_cache, tmp_path):
@@ -234,7 +235,7 @@ def test_init_lora_of_a_peft_folder_reads_its_targets_rank_and_alpha(tiny_cache,
                                                               init_lora_weights="gaussian"))
     peft_model.save_pretrained(tmp_path / "adapter")
     assert {"adapter_config.json", "adapter_model.safetensors"} <= set(os.listdir(tmp_path / "adapter"))
-    cfg = main.prepare(["--model", "flux", "--init-lora", str(tmp_path / "adapter"), "--out-dir", str(tmp_path)])
+    cfg = cli.prepare(["--model", "flux", "--init-lora", str(tmp_path / "adapter"), "--out-dir", str(tmp_path)])
     assert (cfg.lora, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets) == (True, 4, 8.0, ",".join(targets))
     fresh = models.load("flux", models.tiny_pipeline_path("flux"), "cpu", torch.float32, max_sequence_length=16)
     models.add_lora(fresh, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)
@@ -269,7 +270,7 @@ def test_a_state_pt_that_would_run_code_is_refused_on_resume(tmp_path, monkeypat
     from infra.rundir import to_json
     from infra import rundir
 
-    cfg = main.prepare(["--mode", "colocated", "--nproc", "1", "--run-name", "x", "--out-dir", str(tmp_path)])
+    cfg = cli.prepare(["--mode", "colocated", "--nproc", "1", "--run-name", "x", "--out-dir", str(tmp_path)])
     run = tmp_path / "x"
     checkpoint = run / "checkpoints" / "step_000001"
     checkpoint.mkdir(parents=True)

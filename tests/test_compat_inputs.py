@@ -142,8 +142,8 @@ def test_a_reward_returning_the_wrong_thing_is_refused_before_spawn(function, me
 
 def test_video_families_dry_call_custom_rewards_on_videos(reward_file):
     import config
-    import main
+    from infra import cli
 
-    cfg = main.prepare(["--model", "wan", "--reward", f"{reward_file}:plain"])  # the dry call passed on videos
+    cfg = cli.prepare(["--model", "wan", "--reward", f"{reward_file}:plain"])  # the dry call passed on videos
     images, prompts, metadata = config.reward_probe(cfg, config.prompt_source(cfg))
     assert images.shape == (2, 5, 3, 32, 32) and prompts == COLOUR[0][:2] and metadata == [{}, {}]

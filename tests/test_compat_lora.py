@@ -140,51 +140,52 @@ def test_init_lora_starts_from_the_file_with_its_rank_and_alpha(lora_run, tiny_c
 
 
 def test_init_lora_that_does_not_fit_is_refused_before_spawn(lora_run, tiny_cache):
-    import main
+    from infra import cli
 
     start = str(lora_run / "checkpoints" / "step_000001")
     # Trained on all-linear, asked the default preset: the file has more modules than the preset selects.
     with pytest.raises(ValueError, match="adapts other modules than --lora-targets flow_grpo: .* has .*proj_mlp"):
-        main.prepare(["--model", "flux", "--init-lora", start])
+        cli.prepare(["--model", "flux", "--init-lora", start])
     with pytest.raises(ValueError, match="--lora-rank 4 differs from --init-lora .* rank 8"):
-        main.prepare(["--model", "flux", "--init-lora", start, "--lora-targets", "all-linear", "--lora-rank", "4"])
+        cli.prepare(["--model", "flux", "--init-lora", start, "--lora-targets", "all-linear", "--lora-rank", "4"])
     with pytest.raises(ValueError, match="--lora-alpha 8 differs .* alpha 16 \\(metadata\\)"):
-        main.prepare(["--model", "flux", "--init-lora", start, "--lora-targets", "all-linear", "--lora-alpha", "8"])
+        cli.prepare(["--model", "flux", "--init-lora", start, "--lora-targets", "all-linear", "--lora-alpha", "8"])
     with pytest.raises(ValueError, match="holds neither pytorch_lora_weights.safetensors"):
-        main.prepare(["--model", "flux", "--init-lora", str(lora_run / "checkpoints")])
+        cli.prepare(["--model", "flux", "--init-lora", str(lora_run / "checkpoints")])
     with pytest.raises(ValueError, match="LoRA is off"):
-        main.prepare(["--model", "flux", "--init-lora", start, "--no-lora"])
+        cli.prepare(["--model", "flux", "--init-lora", start, "--no-lora"])
 
 
 def test_config_file_and_resume_overrides(lora_run, tiny_cache, capsys):
     import dataclasses
 
     import config as config_lib
-    import main
+    from infra import cli
 
     saved = json.loads((lora_run / "config.json").read_text())
-    fresh = dataclasses.asdict(main.prepare(["--config", str(lora_run / "config.json"), "--steps", "7"]))
+    fresh = dataclasses.asdict(cli.prepare(["--config", str(lora_run / "config.json"), "--steps", "7"]))
     differs = {k for k in saved if saved[k] != fresh[k]}
     assert differs == {"steps", "run_name", "config"} and fresh["steps"] == 7  # a new run (new name) from x's settings
-    resumed = main.prepare(["--resume", str(lora_run), "--steps", "5", "--eval-every", "2"])
+    resumed = cli.prepare(["--resume", str(lora_run), "--steps", "5", "--eval-every", "2"])
     assert (resumed.steps, resumed.eval_every, resumed.lora_rank, resumed.lora_targets) == (5, 2, 8, "all-linear")
     err = capsys.readouterr().err
     assert "--steps 2 -> 5" in err and "--eval-every 0 -> 2" in err
-    main.prepare(["--resume", str(lora_run), *LORA_RUN])  # repeating the original flags changes nothing
+    cli.prepare(["--resume", str(lora_run), *LORA_RUN])  # repeating the original flags changes nothing
     with pytest.raises(ValueError, match="--lr cannot change on resume .*run 0.003, asked 0.1.*--config"):
-        main.prepare(["--resume", str(lora_run), "--lr", "0.1"])
+        cli.prepare(["--resume", str(lora_run), "--lr", "0.1"])
     with pytest.raises(ValueError, match="--prompts-per-step, --group-size cannot change on resume"):
-        main.prepare(["--resume", str(lora_run), "--prompts-per-step", "4", "--group-size", "4"])
+        cli.prepare(["--resume", str(lora_run), "--prompts-per-step", "4", "--group-size", "4"])
     with pytest.raises(ValueError, match="different model or LoRA config: lora_targets: checkpoint 'all-linear'"):
-        main.prepare(["--resume", str(lora_run), "--lora-targets", "attention"])
+        cli.prepare(["--resume", str(lora_run), "--lora-targets", "attention"])
     assert config_lib.parse_args(["--config", str(lora_run / "config.json")]).mode == "colocated"
 
 
 HUB_SCRIPT = """
-import sys, main, models
+import sys, models
+from infra import cli
 for repo_id in sys.argv[1:]:
     try:
-        cfg = main.prepare(["--model", "flux", "--pretrained", repo_id])
+        cfg = cli.prepare(["--model", "flux", "--pretrained", repo_id])
     except FileNotFoundError as error:
         print("REFUSED", error)
     else:
@@ -199,7 +200,7 @@ def test_pretrained_hub_id_from_the_cache_or_a_clear_refusal(tiny_cache, tmp_pat
     import subprocess
     import sys
 
-    import main
+    from infra import cli
     from conftest import ROOT
     repo = tmp_path / "hf" / "hub" / "models--digenrl-test--tiny-flux"
     commit = "0" * 40
@@ -217,4 +218,4 @@ def test_pretrained_hub_id_from_the_cache_or_a_clear_refusal(tiny_cache, tmp_pat
     assert "could not be fetched" in refused and "--local-dir DIR" in refused and "--pretrained DIR" in refused
     missing = tmp_path / "models" / "FLUX.1-dev"  # an absolute path that does not exist (not the README's example
     with pytest.raises(FileNotFoundError, match="does not exist"):  # path, which is real on GPU machines): a path,
-        main.prepare(["--model", "flux", "--pretrained", str(missing)])  # not an id: the old message
+        cli.prepare(["--model", "flux", "--pretrained", str(missing)])  # not an id: the old message

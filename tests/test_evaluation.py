@@ -87,7 +87,7 @@ def test_reward_curve_points_and_legend(tmp_path):
     legend = rundir.plot_reward_curves({"": rows}, str(tmp_path / "curve.png"), eval_too=True)
     assert legend == ["train reward (mean of the step's samples)", "eval: training prompts, held-out seeds",
                       "eval: held-out prompts"]
-    named = rundir.plot_reward_curves({"sync": rows, "async": rows}, str(tmp_path / "two.png"), eval_too=True)
+    named = rundir.plot_reward_curves({"sync": rows, "tcss": rows}, str(tmp_path / "two.png"), eval_too=True)
     assert named[0] == "sync: train reward (mean of the step's samples)" and len(named) == 6
     assert (tmp_path / "curve.png").stat().st_size > 1000
 
@@ -98,7 +98,7 @@ def test_evaluation_settings_apart_from_training(policy, monkeypatch):
     import types
 
     import config
-    import main
+    from infra import cli
     from infra.bookkeeping import Bookkeeping
 
     seen = []
@@ -120,4 +120,4 @@ def test_evaluation_settings_apart_from_training(policy, monkeypatch):
     for bad, match in ((["--eval-num-steps", "0"], "--eval-num-steps 0 must be >= 1"),
                        (["--eval-guidance", "-1"], "--eval-guidance -1.0 must be >= 0")):
         with pytest.raises(ValueError, match=match):
-            main.prepare(bad)
+            cli.prepare(bad)

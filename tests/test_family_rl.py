@@ -167,10 +167,10 @@ def test_dance_grpo_hunyuanvideo_two_steps_with_an_animated_eval(tiny_cache, tmp
 
 
 def test_video_lengths_the_vae_cannot_represent_are_refused(tiny_cache):
-    import main
+    from infra import cli
 
     with pytest.raises(ValueError, match="--frames 4 is not valid for wan"):
-        main.prepare(["--model", "wan", "--frames", "4"])
-    main.prepare(["--model", "wan", "--frames", "9"])
+        cli.prepare(["--model", "wan", "--frames", "4"])
+    cli.prepare(["--model", "wan", "--frames", "9"])
     with pytest.raises(ValueError, match="1 \\+ 4k frames"):
         models.load("hunyuanvideo", models.tiny_pipeline_path("hunyuanvideo"), frames=6)

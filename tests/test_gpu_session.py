@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-import main
+from infra import cli
 from conftest import ROOT
 
 SCRIPT = os.path.join(ROOT, "tools", "gpu_session.sh")
@@ -58,7 +58,7 @@ def test_its_main_py_commands_are_accepted(monkeypatch, tiny_cache, tmp_path):
         if "--pretrained" in args:
             args[args.index("--pretrained") + 1] = pipeline
         try:
-            cfg = main.prepare(args)
+            cfg = cli.prepare(args)
         except (ValueError, FileNotFoundError) as exc:
             raise AssertionError(f"`{line}` is refused: {exc}") from None
         assert cfg.device == "cuda"

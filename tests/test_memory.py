@@ -140,14 +140,14 @@ def test_fsdp_trainers_hold_one_kth_of_the_model_and_optimizer(beta, tiny_cache,
     import json
 
     import comm
-    import main
+    from infra import cli
     from infra.launch import launch
 
     monkeypatch.setenv("DIGENRL_MEMORY_PROBE", str(tmp_path))
-    cfg = main.prepare(["--mode", "digenrl", "--fsdp", "--nproc", "3", "--rollout-ranks", "1", "--no-lora",
-                        "--steps", "1", "--prompts-per-step", "2", "--fragment-groups", "2", "--group-size", "2",
-                        "--num-steps", "2", "--eval-every", "0", "--save-every", "0", "--no-trace", "--no-progress",
-                        "--beta", str(beta), "--timeout-s", "60", "--out-dir", str(tmp_path), "--run-name", "job"])
+    cfg = cli.prepare(["--mode", "digenrl", "--fsdp", "--nproc", "3", "--rollout-ranks", "1", "--no-lora",
+                       "--steps", "1", "--prompts-per-step", "2", "--fragment-groups", "2", "--group-size", "2",
+                       "--num-steps", "2", "--eval-every", "0", "--save-every", "0", "--no-trace", "--no-progress",
+                       "--beta", str(beta), "--timeout-s", "60", "--out-dir", str(tmp_path), "--run-name", "job"])
     code = launch(_probe_rank, dataclasses.asdict(cfg), 3, threads=1,
                   role_of=lambda r: comm.role_of(cfg.placement, cfg.rollout_ranks, r, 3))
     assert code == 0

@@ -213,13 +213,13 @@ def test_tag_by_trajectories_splits_a_group_over_fsdp_trainers_and_the_update_is
                        "tag by trajectories", atol=1e-4)
 
 
-def test_async_staleness_is_zero_or_one_and_bounded(tiny_cache, tmp_path):
+def test_tcss_staleness_is_zero_or_one_and_bounded(tiny_cache, tmp_path):
     steps = ["--steps", "4", "--prompts-per-step", "3", "--group-size", "3", "--num-steps", "3", "--eval-every", "0",
              "--save-every", "0", "--timeout-s", "60", "--nproc", "2", "--no-trace", "--updates-per-batch", "2"]
-    run_main([*steps, "--mode", "digenrl", "--max-stale-fragments", "1", "--run-name", "async"], tmp_path, tiny_cache,
+    run_main([*steps, "--mode", "digenrl", "--max-stale-fragments", "1", "--run-name", "tcss"], tmp_path, tiny_cache,
              env=SCRIPTED)  # a stale fragment in every step after the first, whatever the timing
     run_main([*steps, "--placement", "disaggregated", "--gap", "--tsp", "--run-name", "sync"], tmp_path, tiny_cache)
-    rows = read_metrics(tmp_path / "async")
+    rows = read_metrics(tmp_path / "tcss")
     assert all(0 <= r["staleness_mean"] <= 1 for r in rows)
     assert all(r["stale_fragments"] <= 1 for r in rows)
     assert rows[0]["stale_fragments"] == 0  # nothing can be stale before the first update

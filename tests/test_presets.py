@@ -11,9 +11,9 @@ import sys
 import pytest
 
 import config
-import main
 import models
 import presets
+from infra import cli
 from conftest import ROOT
 
 pytestmark = pytest.mark.timeout(300)
@@ -81,7 +81,7 @@ def test_every_documented_command_is_valid_and_real_weights_are_never_tiny(monke
         else:
             monkeypatch.delenv("WORLD_SIZE", raising=False)
         try:
-            cfg = main.prepare(args)
+            cfg = cli.prepare(args)
         except (ValueError, FileNotFoundError) as exc:
             raise AssertionError(f"{os.path.basename(path)}: `{command}` is refused: {exc}") from None
         if pretrained:
@@ -107,7 +107,7 @@ def test_every_command_documented_as_refused_is_refused(monkeypatch, tiny_cache)
         else:
             monkeypatch.delenv("WORLD_SIZE", raising=False)
         with pytest.raises((ValueError, FileNotFoundError)):
-            main.prepare(args)
+            cli.prepare(args)
 
 
 @pytest.mark.parametrize("model", ["flux", "wan"])

@@ -2,7 +2,7 @@
 
 No process group and no model: a torch.distributed HashStore stands in for the job's TCPStore (the same
 atomic `add`), and plain callables stand in for the ranks. Each test names the bug it catches:
-- the staleness bound (TCSS): a fragment two versions old is refused, with async on or off, by
+- the staleness bound (TCSS): a fragment two versions old is refused, with TCSS on or off, by
   tcss.check_staleness, by Trainer.accumulate and by train_fragment (catches a bound relaxed to 2);
 - the stale budget j is per step and never exceeded; generate_ahead stops at the budget, when the new
   weights arrive and after the last step (catches a budget ignored, generating ahead past new weights);
@@ -39,7 +39,7 @@ pytestmark = pytest.mark.timeout(60)
 
 
 # --- TCSS: the staleness bound ------------------------------------------------------------------------
-def test_check_staleness_allows_0_or_1_with_async_and_only_0_without():
+def test_check_staleness_allows_0_or_1_with_tcss_and_only_0_without():
     assert tcss.check_staleness(5, 5, tcss_on=False) == 0
     assert tcss.check_staleness(5, 5, tcss_on=True) == 0
     assert tcss.check_staleness(5, 4, tcss_on=True) == 1
@@ -98,7 +98,7 @@ class NoSpans:
         return contextlib.nullcontext()
 
 
-def test_train_fragment_refuses_a_stale_fragment_without_async():
+def test_train_fragment_refuses_a_stale_fragment_without_tcss():
     trainer = _trainer(version=3)
     fragment = _fragment(version=2)
     kwargs = dict(pairs_of=lambda m, t: _packs(fragment), total_pairs=4, count=True, reward_names=["c"],

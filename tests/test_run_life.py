@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import main
+from infra import cli
 from conftest import ROOT, checkpoint_weights, rank_pids, read_metrics, run_main
 from infra.preemption import EXIT_PREEMPTED
 from infra.runlock import LOCK_NAME, RunLock
@@ -263,12 +264,12 @@ def test_an_explicit_disaggregated_mode_on_one_rank_names_the_command(monkeypatc
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
     with pytest.raises(ValueError, match="needs at least 2 ranks .* Run: torchrun --nproc_per_node=2 main.py "
                                          "--mode digenrl --steps 3 "):
-        main.prepare(["--mode", "digenrl", "--steps", "3"])
+        cli.prepare(["--mode", "digenrl", "--steps", "3"])
     monkeypatch.delenv("WORLD_SIZE")
     monkeypatch.delenv("RANK")
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     with pytest.raises(ValueError, match="Run: python main.py --mode naive --nproc 2 "):
-        main.prepare(["--mode", "naive", "--nproc", "1"])
+        cli.prepare(["--mode", "naive", "--nproc", "1"])
 
 
 def test_cpu_ranks_are_forked_from_a_forkserver_that_imported_their_pipeline():

@@ -141,7 +141,7 @@ def test_slow_rank_runs_its_work_slower():
     assert sim.simulate("naive", costs, slow, WL).step_s == pytest.approx(2 * gen + train + 0.06)
 
 
-def test_async_training_bound_hides_generation():
+def test_tcss_training_bound_hides_generation():
     # t > g: the one stale fragment keeps the trainer busy across the weight publish -> step = M t + s.
     costs = _costs(f=0.01, b=0.03)
     rep = sim.simulate("digenrl", costs, ONE_EACH, WL)

@@ -1,9 +1,9 @@
 """Compare finished runs: reward per step and per wall-clock second, what each run learned, what it
 cost, and the time each mode takes to reach a reward (over seeds).
 
-    python main.py --mode digenrl --steps 150 --seed 1 --run-name async          # TCSS on (default)
+    python main.py --mode digenrl --steps 150 --seed 1 --run-name tcss           # TCSS on (default)
     python main.py --mode digenrl --no-tcss --steps 150 --seed 1 --run-name sync
-    python tools/compare_runs.py runs/async runs/sync --out runs/async_vs_sync.png --window 10
+    python tools/compare_runs.py runs/tcss runs/sync --out runs/tcss_vs_sync.png --window 10
 
     # time to reward: repeat a label for its seeds (LABEL=DIR); the target may be a number or a
     # label (the mean final smoothed reward of that label's runs)

@@ -220,11 +220,11 @@ MUTANTS = [
     M("tcss-bound-2", "tcss.py",
       "allowed = (0, 1) if tcss_on else (0,)", "allowed = (0, 1, 2) if tcss_on else (0,)",
       "the staleness bound relaxed to 2",
-      PROTOCOL + "test_check_staleness_allows_0_or_1_with_async_and_only_0_without"),
-    M("tcss-stale-without-async", "tcss.py",
+      PROTOCOL + "test_check_staleness_allows_0_or_1_with_tcss_and_only_0_without"),
+    M("tcss-stale-accepted-when-off", "tcss.py",
       "allowed = (0, 1) if tcss_on else (0,)", "allowed = (0, 1)",
-      "a stale fragment accepted with async off",
-      PROTOCOL + "test_check_staleness_allows_0_or_1_with_async_and_only_0_without"),
+      "a stale fragment accepted with --tcss off",
+      PROTOCOL + "test_check_staleness_allows_0_or_1_with_tcss_and_only_0_without"),
     M("tcss-budget-ignored", "tcss.py",
       'return self.max_stale > 0 and self.store.add(f"stale/{step}", 1) <= self.max_stale',
       "return self.max_stale > 0", "the stale budget j ignored", PROTOCOL + "test_the_stale_budget_is_j_per_step"),
@@ -249,8 +249,8 @@ MUTANTS = [
       TSP_TAG + "test_a_short_tag_claim_still_gives_every_fsdp_trainer_the_same_forwards"),
     # --- trainer.py ------------------------------------------------------------------------------------
     M("fsdp-reference-unsharded", "trainer.py",
-      "    reference = models.frozen_copy(transformer, policy.dtype, on_meta=True) if keep_reference else None",
-      "    reference = policy.freeze_reference() if keep_reference else None",
+      "reference = (models.frozen_copy(transformer, policy.dtype, on_meta=True) if keep_reference",
+      "reference = (policy.freeze_reference() if keep_reference",
       "the KL reference is a whole copy made before sharding, never sharded (issue 22 item 2)",
       "tests/test_memory.py::test_fsdp_trainers_hold_one_kth_of_the_model_and_optimizer"),
     M("trainer-clip-disabled", "trainer.py",
@@ -259,8 +259,10 @@ MUTANTS = [
     M("trainer-clip-before-all-reduce", "trainer.py",
       "        self.all_reduce_gradients()\n"
       "        with self._inside(\"grad-norm all-reduce\"):\n"
+      "            # the global norm\n"
       "            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)",
       "        with self._inside(\"grad-norm all-reduce\"):\n"
+      "            # the global norm\n"
       "            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)\n"
       "            self.all_reduce_gradients()",
       "each rank clips its local gradient before the all-reduce (not the global norm)", K2_CLIPPED),
@@ -280,8 +282,8 @@ MUTANTS = [
       PROTOCOL + "test_the_trainer_refuses_a_fragment_two_versions_old_and_trains_one_version_old"),
     M("trainer-train-fragment-unchecked", "trainer.py",
       "tcss.check_staleness(trainer.version, fragment.policy_version, tcss_on)  #", "pass  #",
-      "train_fragment accepts stale fragments with async off",
-      PROTOCOL + "test_train_fragment_refuses_a_stale_fragment_without_async"),
+      "train_fragment accepts stale fragments with --tcss off",
+      PROTOCOL + "test_train_fragment_refuses_a_stale_fragment_without_tcss"),
     M("trainer-nan-step-applied", "trainer.py",
       "        if finite:\n", "        if True:\n",
       "a step with a non-finite gradient is applied (weights become NaN)",
@@ -385,7 +387,10 @@ MUTANTS = [
       "TAG's leader counts its own claimed groups as the rollout's, in flight",
       PROTOCOL + "test_the_assistant_hands_the_predictor_the_queues_counts_and_scripted_times"),
     M("clip-prompts-misaligned", "rewards/__init__.py",
-      "inputs = processor(text=prompts, ", "inputs = processor(text=prompts[::-1], ",
+      "inputs = processor(text=prompts, images=to_pil_images(images), return_tensors=\"pt\",\n"
+      "                           padding=True, truncation=True)\n",
+      "inputs = processor(text=prompts[::-1], images=to_pil_images(images), return_tensors=\"pt\",\n"
+      "                           padding=True, truncation=True)\n",
       "the CLIP reward scores each image against another image's prompt",
       "tests/test_rewards.py::test_clip_score_is_clips_cosine_of_each_image_with_its_own_prompt"),
     M("flux-timestep-t", "models/flux.py",

@@ -437,7 +437,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rank-speed", help="RANK=FACTOR,... e.g. 0=0.5 (as main.py --rank-speed)")
     parser.add_argument("--steps", type=int, default=10, help="simulated RL steps")
     parser.add_argument("--modes", help="comma-separated modes (default: " + ",".join(MODES) + "); a "
-                        "'+'-joined mix of gap/tsp/tag/async is a mode too")
+                        "'+'-joined mix of gap/tsp/tag/tcss is a mode too")
     parser.add_argument("--sweep", metavar="FIELD=V1,V2,...",
                         help="simulate once per value of one workload field (" + ", ".join(SWEEP_FIELDS)
                         + "), e.g. num_steps=12,24,48: where a mechanism starts to pay")
