@@ -46,7 +46,7 @@ if [ $DRY = 1 ] || ls .whl/*.whl >/dev/null 2>&1; then
 fi
 
 # a. 3 ranks, one GPU, gloo compute plane with CUDA tensors, FSDP + TAG + TCSS, recorded; then --resume
-A="--model flux --mode digenrl --nproc 3 --rollout-ranks 1 --backend gloo --device cuda --fsdp --async
+A="--model flux --mode digenrl --nproc 3 --rollout-ranks 1 --backend gloo --device cuda --fsdp --tcss
    --prompts-per-step 4 --fragment-groups 2 --group-size 2 --num-steps 3 --save-every 2 --eval-every 2 --seed 0
    --timeout-s 60 --trace --no-progress --out-dir $RUNS"
 INJECT="env PYTHONPATH=tests/inject:.:${PYTHONPATH:-} DIGENRL_TEST_INJECT=scripted_schedule"
