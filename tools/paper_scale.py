@@ -72,14 +72,14 @@ def run_case(label: str, nproc, p: dict) -> dict:
     reports.append(dataclasses.replace(run("digenrl", paper_workload(key, max_stale=1)),
                                        mode="digenrl j=1 before"))
     planned = {}
-    for runtime in ("today", "issue25", *plan.WHAT_IFS):
+    for runtime in ("before-25", "issue25", *plan.WHAT_IFS):
         problem = plan.Problem(key, p["models"][key]["family"] if key == label else None, cluster.nproc,
                                rollout_speed=0.5 if hetero else 1.0, rollout_gpus=16 if hetero else None,
                                runtime=runtime, costs_of=costs_of)
         plans, _ = plan.best(problem, top=1)
         planned[runtime] = (problem, plans[0])
     problem, best_plan = planned["issue25"]
-    reports.append(dataclasses.replace(planned["today"][1].report, mode="digenrl planned, today"))
+    reports.append(dataclasses.replace(planned["before-25"][1].report, mode="digenrl planned, today"))
     reports.append(dataclasses.replace(best_plan.report, mode="digenrl"))
     what_if = next(iter(plan.WHAT_IFS))
     reports.append(dataclasses.replace(planned[what_if][1].report, mode=WHAT_IF))

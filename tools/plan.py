@@ -3,7 +3,7 @@
     python tools/plan.py --model flux --gpus 16                       # 16 H200s, LoRA
     python tools/plan.py --model wan --gpus 32 --no-lora              # full fine-tuning (FSDP over the trainers)
     python tools/plan.py --model flux --gpus 32 --rollout-gpus 16 --rollout-speed 0.5   # slower rollout GPUs
-    python tools/plan.py --model flux --gpus 16 --runtime today       # plan for the runtime before issue 25
+    python tools/plan.py --model flux --gpus 16 --runtime before-25   # plan for the runtime before issue 25
     python tools/plan.py --model flux --gpus 16 --updates-per-batch 2 # Flow-GRPO's two updates per batch
 
 It searches R (rollout ranks; K = P - R trainers), the fragment size (--fragment-groups), --tsp-pack, TAG on or
@@ -17,7 +17,7 @@ the default knobs, then the full grid of knobs around the three best R.
 
 `--runtime issue25` (the default) simulates the runtime since issue 25: TSP packs span the fragments of a
 minibatch (padding once per update), and TAG claims whole groups and splits their trajectories over the K
-trainers (tag.Assistant with the group size; simulate.py's tag_split="group-claims"). `--runtime today`
+trainers (tag.Assistant with the group size; simulate.py's tag_split="group-claims"). `--runtime before-25`
 simulates the runtime before it: each fragment padded to whole packs, TAG's groups split over the trainers by
 whole groups. The printed command is the same for both; only the prediction differs.
 
@@ -39,7 +39,7 @@ from tools import plan_memory  # noqa: E402
 from tools.paper_costs import paper_costs, paper_settings, paper_workload  # noqa: E402
 from tools.simulate import Cluster, StepReport, simulate  # noqa: E402
 
-RUNTIMES = {"issue25": {"tsp_span": True, "tag_split": "group-claims"}, "today": {}}
+RUNTIMES = {"issue25": {"tsp_span": True, "tag_split": "group-claims"}, "before-25": {}}
 # simulator-only what-ifs (tools/paper_scale.py prints one): no runtime trains this way, so plan.py does not offer them
 WHAT_IFS = {"issue25, TAG claims part of a group": {"tsp_span": True, "tag_split": "trajectories"}}
 FRAGMENT_GROUPS, PACKS = (1, 2, 4), (1, 2, 4, 8)
@@ -233,7 +233,7 @@ def main(argv=None) -> int:
                         help="LoRA (default) or full fine-tuning with FSDP over the trainers")
     parser.add_argument("--runtime", choices=sorted(RUNTIMES), default="issue25",
                         help="issue25 (the runtime since issue 25): TSP packs span the fragments of a minibatch and "
-                        "TAG claims whole groups, their trajectories split over the K trainers; today (before it): "
+                        "TAG claims whole groups, their trajectories split over the K trainers; before-25 (before it): "
                         "packs per fragment, TAG's groups split over the trainers by whole groups")
     parser.add_argument("--updates-per-batch", type=int, default=paper_settings()["updates_per_batch"],
                         help="M: optimizer steps per RL step, simulated and passed to main.py (default: "
