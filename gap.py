@@ -43,6 +43,7 @@ class FragmentSpec:
     init_seeds: list[int]  # initial-noise seed per trajectory (shared within a group for DanceGRPO)
     noise_seeds: list[int]  # per-step noise seed per trajectory
     group_size: int
+    offset: int = 0  # a part of a group (rollout.part_spec): its first trajectory's member index
 
     @property
     def num_groups(self) -> int:
@@ -71,6 +72,9 @@ class Fragment:
     rewards: torch.Tensor  # [m] the combined reward
     reward_parts: torch.Tensor  # [m, n_rewards] each named reward (for metrics)
     advantages: torch.Tensor  # [m]
+    # > 0: a part of a group (TAG by trajectories): the first trajectory is member `offset` of
+    # first_group; such a part has no advantages until joined (whole_groups)
+    offset: int = 0
     # False for a later part of a fragment split at a minibatch boundary
     opens_fragment: bool = True
 
@@ -81,6 +85,16 @@ class Fragment:
     @property
     def num_groups(self) -> int:
         return self.num_samples // self.group_size
+
+    @property
+    def first_sample(self) -> int:
+        """The first trajectory's index in its step's batch."""
+        return self.first_group * self.group_size + self.offset
+
+    @property
+    def is_whole(self) -> bool:
+        """Whole groups (a rollout fragment, a joined TAG claim), not a part of one."""
+        return self.offset == 0 and self.num_samples % self.group_size == 0
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -97,22 +111,76 @@ class Fragment:
     def ints(self) -> list[int]:
         """The header fields, in the order from_parts (and the wire format, transport.py) reads
         them."""
-        return [self.step, self.first_group, self.policy_version, self.producer, self.group_size]
+        return [self.step, self.first_group, self.policy_version, self.producer, self.group_size,
+                self.offset]
 
     @staticmethod
     def from_parts(ints: list[int], tensors: dict[str, torch.Tensor]) -> "Fragment":
         cond = {k[len("cond."):]: v for k, v in tensors.items() if k.startswith("cond.")}
         plain = {k: v for k, v in tensors.items() if not k.startswith("cond.")}
-        step, first_group, version, producer, group_size = ints
+        step, first_group, version, producer, group_size, offset = ints
         return Fragment(step=step, first_group=first_group, policy_version=version,
-                        producer=producer, group_size=group_size, cond=cond, **plain)
+                        producer=producer, group_size=group_size, cond=cond, offset=offset,
+                        **plain)
 
 
 def concat_fragments(parts: list[Fragment]) -> Fragment:
-    """Join sub-fragments of consecutive groups (in group order) back into one fragment."""
+    """Join sub-fragments of consecutive trajectories (in batch order) back into one fragment."""
     tensors = [p.tensors() for p in parts]
     joined = {k: torch.cat([t[k] for t in tensors]) for k in tensors[0]}
     return Fragment.from_parts(parts[0].ints(), joined)
+
+
+def rows_of(fragment: Fragment, lo: int, hi: int) -> Fragment:
+    """Trajectories [lo, hi) of the step's batch (inside the fragment's), as a fragment."""
+    g, start = fragment.group_size, fragment.first_sample
+    rows = slice(lo - start, hi - start)
+    ints = fragment.ints()
+    ints[1], ints[5] = lo // g, lo % g  # first_group, offset
+    return Fragment.from_parts(ints, {k: v[rows] for k, v in fragment.tensors().items()})
+
+
+def whole_groups(fragments: Iterable[Fragment], complete: Callable[[Fragment], Fragment]
+                 ) -> Iterator[Fragment]:
+    """TAG by trajectories: parts of groups joined back into whole groups, in any arrival order.
+    A whole fragment passes as it is; parts wait until their group's G trajectories are all in, then
+    the run of whole groups is yielded once, with `complete` (the group advantages: they need the
+    whole group). The members of a group must share one policy version (TCSS's invariant)."""
+    waiting: list[Fragment] = []  # parts, sorted by first trajectory; never two overlapping
+    for fragment in fragments:
+        if fragment.is_whole and not fragment.advantages.isnan().any():
+            yield fragment
+            continue
+        waiting = sorted([*waiting, fragment], key=lambda f: f.first_sample)
+        run, kept = [], []
+        for part in waiting + [None]:  # contiguous runs of parts
+            if run and (part is None or part.first_sample != run[-1].first_sample
+                        + run[-1].num_samples):
+                kept.extend(_yield_whole(run, complete, out := []))
+                yield from out
+                run = []
+            if part is not None:
+                run.append(part)
+        waiting = kept
+
+
+def _yield_whole(run: list[Fragment], complete: Callable[[Fragment], Fragment],
+                 out: list[Fragment]) -> list[Fragment]:
+    """The whole groups of a contiguous run of parts go to `out` (joined, completed); returns what
+    is left of the run (the parts of groups still incomplete)."""
+    g = run[0].group_size
+    lo, hi = run[0].first_sample, run[-1].first_sample + run[-1].num_samples
+    a, b = -(-lo // g) * g, hi // g * g  # the whole groups inside [lo, hi)
+    if a >= b:
+        return run
+    versions = {p.policy_version for p in run if p.first_sample < b and
+                p.first_sample + p.num_samples > a}
+    if len(versions) > 1:
+        raise AssertionError(f"a group of step {run[0].step} joined from parts of versions "
+                             f"{sorted(versions)}: every member of a group must use one version")
+    joined = concat_fragments(run)
+    out.append(complete(rows_of(joined, a, b)))
+    return [rows_of(joined, x, y) for x, y in ((lo, a), (b, hi)) if y > x]
 
 
 # --- batch -> fragments ----------------------------------------------------------------------
@@ -155,39 +223,96 @@ class Announcement:
     destination: int
 
 
+class Claim(tuple):
+    """What a claim took: groups [first_group, first_group + num_groups) of its step, or only
+    trajectories `part` = (lo, hi) of them (indices within the range; None: all of it)."""
+
+    def __new__(cls, first_group: int, num_groups: int, part: tuple[int, int] | None = None):
+        return super().__new__(cls, (first_group, num_groups) if part is None
+                               else (first_group, num_groups, part))
+
+    first_group = property(lambda self: self[0])
+    num_groups = property(lambda self: self[1])
+    part = property(lambda self: self[2] if len(self) > 2 else None)
+
+
+def claim_of(lo: int, hi: int, group_size: int) -> Claim:
+    """Trajectories [lo, hi) of a step as a Claim: whole groups, or the groups they touch and a
+    part."""
+    first, last = lo // group_size, -(-hi // group_size)
+    whole = lo % group_size == 0 and hi % group_size == 0
+    return Claim(first, last - first, None if whole else (lo - first * group_size,
+                                                          hi - first * group_size))
+
+
 class FragmentQueue:
-    """Atomic claims of group ranges and ordered completion announcements, per step."""
+    """Atomic claims of trajectory ranges and ordered completion announcements, per step.
 
-    def __init__(self, store, groups_per_step: int, poll_s: float = 0.001):
+    The claim counter counts TRAJECTORIES, advanced by compare-and-set: a rollout rank's claim ends
+    on a group boundary (`claim`: whole groups, or the rest of a group TAG took part of), the TAG
+    leader's may end anywhere (`claim_samples`). Without part claims every claim is whole groups."""
+
+    def __init__(self, store, groups_per_step: int, poll_s: float = 0.001, group_size: int = 1):
         self.store, self.groups_per_step, self.poll_s = store, groups_per_step, poll_s
+        self.group_size = group_size
+        self.samples_per_step = groups_per_step * group_size
+        self._token, self._claims = f"{id(self):x}.{time.time_ns():x}", 0
 
-    def claim(self, step: int, num_groups: int) -> tuple[int, int] | None:
-        """Claim the next `num_groups` unclaimed groups of `step` (fewer at the end): (first,
-        count), or None."""
-        end = self.store.add(f"claim/{step}", num_groups)
-        first = end - num_groups
-        if first >= self.groups_per_step:
-            return None
-        return first, min(end, self.groups_per_step) - first
+    def claim(self, step: int, num_groups: int) -> Claim | None:
+        """The next `num_groups` unclaimed groups of `step` (fewer at the end): a Claim, or None.
+        When TAG took the first part of a group, this claim is the rest of that group and the
+        groups after it, at most `num_groups` groups' trajectories."""
+        g = self.group_size
+        return self._advance(step, lambda lo: lo // g * g + num_groups * g)
+
+    def claim_samples(self, step: int, count: int) -> Claim | None:
+        """The next `count` unclaimed trajectories of `step` (fewer at the end), part of a group
+        maybe (TAG by trajectories)."""
+        return self._advance(step, lambda lo: lo + count)
+
+    def _advance(self, step: int, end_of: Callable[[int], int]) -> Claim | None:
+        """Move the counter from lo to end_of(lo) atomically (store compare_set; a unique value per
+        claim, so two claimers that read the same lo cannot both win)."""
+        key = f"claim/{step}"
+        while True:
+            current = self.store.get(key).decode() if self.store.check([key]) else ""
+            lo = int(current.split()[0]) if current else 0
+            if lo >= self.samples_per_step:
+                return None
+            hi = min(end_of(lo), self.samples_per_step)
+            self._claims += 1
+            mine = f"{hi} {self._token}.{self._claims}"
+            if self.store.compare_set(key, current, mine).decode() == mine:
+                return claim_of(lo, hi, self.group_size)
+
+    def num_claimed_samples(self, step: int) -> int:
+        key = f"claim/{step}"
+        return int(self.store.get(key).decode().split()[0]) if self.store.check([key]) else 0
 
     def num_claimed(self, step: int) -> int:
-        return min(self.store.add(f"claim/{step}", 0), self.groups_per_step)
+        """Groups whose every trajectory is claimed."""
+        return self.num_claimed_samples(step) // self.group_size
 
     def announce(self, step: int, first_group: int, num_groups: int, producer: int,
-                 destination_of: Callable[[int], int] | None = None) -> tuple[int, int]:
-        """Publish 'these groups are done by `producer`'; returns (sequence number, destination
-        rank)."""
+                 destination_of: Callable[[int], int] | None = None,
+                 samples: int | None = None) -> tuple[int, int]:
+        """Publish 'these groups are done by `producer`' (`samples` trajectories of them, for a
+        part); returns (sequence number, destination rank)."""
         seq = self.store.add(f"done/{step}", 1) - 1
         destination = destination_of(seq) if destination_of else -1
-        self.store.add(f"done_groups/{step}", num_groups)
+        count = num_groups * self.group_size if samples is None else samples
+        self.store.add(f"done_samples/{step}", count)
         self.store.set(f"done/{step}/{seq}", f"{producer},{first_group},{num_groups},{destination}")
         return seq, destination
 
     def num_announced(self, step: int) -> int:
         return self.store.add(f"done/{step}", 0)
 
+    def num_announced_samples(self, step: int) -> int:
+        return self.store.add(f"done_samples/{step}", 0)
+
     def num_announced_groups(self, step: int) -> int:
-        return self.store.add(f"done_groups/{step}", 0)
+        return self.num_announced_samples(step) // self.group_size
 
     def poll(self, step: int, seq: int) -> Announcement | None:
         key = f"done/{step}/{seq}"
@@ -214,7 +339,7 @@ class FragmentQueue:
         step."""
         announced = range(self.num_announced(step))
         keys = [f"claim/{step}", f"done/{step}",
-                f"done_groups/{step}"] + [f"done/{step}/{s}" for s in announced]
+                f"done_samples/{step}"] + [f"done/{step}/{s}" for s in announced]
         for key in keys:
             self.store.delete_key(key)
 
@@ -253,27 +378,28 @@ class FixedWeights:
 
 
 def rollout_loop(*, rank: int, steps: range, queue: FragmentQueue, fragment_groups: int,
-                 generate: Callable[[int, int, int, int], Fragment],
+                 generate: Callable[..., Fragment],
                  send: Callable[[Fragment, int], None], destination_of: Callable[[int], int],
                  weights=None) -> None:
     """A rollout rank: per step, claim `fragment_groups` groups at a time until none are left;
-    generate each claim with generate(step, first_group, num_groups, version), announce it, send it
-    to its destination (the next generation starts at once: `send` queues). `weights` (FixedWeights,
+    generate each claim with generate(step, first_group, num_groups, version, part) (part: the
+    rest of a group TAG took part of, else None), announce it, send it to its destination (the
+    next generation starts at once: `send` queues). `weights` (FixedWeights,
     tcss.RolloutWeights) says which version generates and when new weights come in: only ever
     between fragments."""
     weights = weights if weights is not None else FixedWeights()
 
-    def produce(step: int, claimed: tuple[int, int], ahead: bool = False) -> None:
+    def produce(step: int, claimed: Claim, ahead: bool = False) -> None:
         version = weights.version(step, ahead)
-        fragment = generate(step, claimed[0], claimed[1], version)
+        fragment = generate(step, claimed.first_group, claimed.num_groups, version, claimed.part)
         _, dst = queue.announce(step, fragment.first_group, fragment.num_groups, rank,
-                                destination_of)
+                                destination_of, samples=fragment.num_samples)
         send(fragment, dst)
 
-    def produce_ahead(step: int, claimed: tuple[int, int]) -> None:
+    def produce_ahead(step: int, claimed: Claim) -> None:
         produce(step, claimed, ahead=True)
 
-    def claim(step: int) -> tuple[int, int] | None:
+    def claim(step: int) -> Claim | None:
         return queue.claim(step, fragment_groups)
 
     for step in steps:
@@ -284,7 +410,7 @@ def rollout_loop(*, rank: int, steps: range, queue: FragmentQueue, fragment_grou
 
 
 def claims(queue: FragmentQueue, step: int, fragment_groups: int,
-           before_each: Callable[[], object] = lambda: None) -> Iterator[tuple[int, int]]:
+           before_each: Callable[[], object] = lambda: None) -> Iterator[Claim]:
     """Claim `fragment_groups` groups of `step` at a time until none are left; each claim is
     generated and streamed before the next one is taken."""
     while True:
@@ -476,7 +602,7 @@ def _demo() -> None:
 
     def rollout(rank: int) -> None:
         rollout_loop(rank=rank, steps=range(1), queue=queue, fragment_groups=1,
-                     generate=lambda s, f, c, v: generate(s, f, c, v, rank),
+                     generate=lambda s, f, c, v, part: generate(s, f, c, v, rank),
                      send=lambda fragment, dst: mailbox.put(fragment), destination_of=lambda seq: 0)
 
     def train(fragment: Fragment) -> None:

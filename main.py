@@ -77,8 +77,8 @@ class Rank:
                             version, producer)
         self.job.progress.bump(step)
         fragments = colocated.split_rows(fragment, ranges) if len(ranges) > 1 else [fragment]
-        for f in fragments if self.batch is not None else []:
-            self.batch.post(f)  # before it is announced, sent or shared
+        for f in [f for f in fragments if f.is_whole] if self.batch is not None else []:
+            self.batch.post(f)  # before it is announced, sent or shared (parts: TSP joins them)
         return fragments
 
     def score(self, *args, **kwargs):
@@ -107,7 +107,8 @@ def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple, agent_s
     reward_fn.prompt_metadata = source.train_metadata  # generation passes prompt ids
     runtime.freeze_heap()
     first = rundir.checkpoint_step(rundir.check_resume(cfg.resume, cfg)) if cfg.resume else 0
-    queue = gap.FragmentQueue(job.prefixed("queue"), cfg.prompts_per_step) if job.store else None
+    queue = gap.FragmentQueue(job.prefixed("queue"), cfg.prompts_per_step,
+                              group_size=cfg.group_size) if job.store else None
     pace = functools.partial(emulate.paced, emulate.speed_of(cfg.rank_speed, rank))
     r = Rank(cfg, groups, job, tracer, policy, reward_fn, source, rollout.SamplingConfig.of(cfg),
              queue, range(first, cfg.steps), pace,
@@ -144,8 +145,7 @@ def rollout_rank(r: Rank) -> None:
     gap.rollout_loop(rank=groups.rank, steps=r.steps, queue=r.queue, generate=generate,
                      fragment_groups=cfg.fragment_groups, send=sender.put, weights=weights,
                      destination_of=functools.partial(wiring.destination, groups, cfg.tsp))  # GAP
-    sender.close()
-    weights.close()
+    sender.close(), weights.close()
 
 
 def trainer_rank(r: Rank):

@@ -135,7 +135,7 @@ def generate_trajectories(policy, spec: FragmentSpec, prompts: list[str], cfg: S
     parts = torch.stack([scores[k].to(torch.float32) for k in scores if k != "total"], dim=1)
     return Fragment(
         step=spec.step, first_group=spec.first_group, policy_version=version, producer=producer,
-        group_size=spec.group_size,
+        group_size=spec.group_size, offset=spec.offset,
         prompt_ids=torch.tensor(spec.prompt_ids, dtype=torch.long),
         cond={k: _host(v) for k, v in cond.items()},
         latents=_host(x_t), next_latents=_host(x_next), timestep_index=t_idx,
@@ -156,9 +156,11 @@ def with_advantages(fragment: Fragment, cfg: SamplingConfig) -> Fragment:
 def part_spec(spec: FragmentSpec, lo: int, hi: int) -> FragmentSpec:
     """Trajectories [lo, hi) of the spec (indices within it), each with the prompt and seeds it has
     in the whole: a part of a group is generated exactly as in one piece (fragment_spec's seeds,
-    DanceGRPO's shared initial noise included). It keeps the spec's first_group: only the joined
-    parts are whole groups."""
-    return dataclasses.replace(spec, prompt_ids=spec.prompt_ids[lo:hi],
+    DanceGRPO's shared initial noise included). Its first_group and offset place its first
+    trajectory in the batch: only the joined parts are whole groups."""
+    g = spec.group_size
+    return dataclasses.replace(spec, first_group=spec.first_group + lo // g, offset=lo % g,
+                               prompt_ids=spec.prompt_ids[lo:hi],
                                init_seeds=spec.init_seeds[lo:hi],
                                noise_seeds=spec.noise_seeds[lo:hi])
 

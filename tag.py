@@ -176,84 +176,105 @@ def split_groups(num_items: int, world: int, rank: int) -> tuple[int, int]:
 class Assistant:
     """TAG's state on the trainer leader: estimates, claims not yet generated, and the decision.
 
-    The queue is reached through callables (claim, counts) so the file stays self-contained:
-      claim(step, n) -> (first_group, count) | None; claimed(step), announced_groups(step) -> int;
-      rollout_gen_s() -> seconds per fragment of fragment_groups groups on a rollout rank, or None.
-    group_size > 0: the trainers split a claim by trajectories (assisted_generation), and the
-    predictor costs it so (share_groups); 0: by whole groups (simulate.py's tag_split="groups")."""
+    The queue is reached through callables (claim, counts) so the file stays self-contained, all in
+    TRAJECTORIES: claim(step, n) -> (first_group, num_groups[, part]) | None (gap.Claim: part =
+    (lo, hi) within those groups, or absent); claimed(step), announced(step) -> int;
+    rollout_gen_s() -> seconds per fragment of fragment_groups groups on a rollout rank, or None.
+    The predictor decides in units of a group (G trajectories; the trainers split a claim by
+    trajectories: share_groups) or, with `part_groups`, of one trajectory, so that the leader may
+    claim part of a group (its rest is a rollout rank's next claim). Part claims are made only
+    inside a step: at a step boundary a rollout rank may still be generating ahead with the old
+    version (TCSS), and a group's members must share one version. group_size 0: whole groups split
+    by whole groups (simulate.py's tag_split="groups")."""
 
     def __init__(self, groups_per_step: int, fragment_groups: int, rollout_ranks: int,
                  trainers: int, quantum: int, claim: Callable, claimed: Callable,
-                 announced_groups: Callable, rollout_gen_s: Callable,
-                 poll_s: float = 0.001, steps: int | None = None, group_size: int = 0):
+                 announced: Callable, rollout_gen_s: Callable,
+                 poll_s: float = 0.001, steps: int | None = None, group_size: int = 0,
+                 part_groups: bool = False):
         self.groups_per_step, self.fragment_groups, self.rollout_ranks = (
             groups_per_step, fragment_groups, rollout_ranks)
         self.trainers, self.quantum, self.poll_s, self.steps = trainers, quantum, poll_s, steps
-        self.group_size = group_size
+        self.group_size, self.part_groups = group_size, part_groups
+        self.samples_per_step = groups_per_step * max(group_size, 1)
         self.claim, self.claimed = claim, claimed
-        self.announced_groups, self.rollout_gen_s = announced_groups, rollout_gen_s
-        self.gen_trainer, self.train = RunningMean(), RunningMean()  # seconds per group
+        self.announced, self.rollout_gen_s = announced, rollout_gen_s
+        # seconds per trajectory: one trainer generating, the trainer group training
+        self.gen_trainer, self.train = RunningMean(), RunningMean()
         # seconds from the leader's publish to the rollout holding the weights
         self.publish = RunningMean()
-        # step -> [(first_group, count)] claimed, not generated
+        # step -> [(lo, hi)] trajectories claimed, not generated
         self.pending = collections.defaultdict(list)
-        self.taken = collections.Counter()  # step -> groups TAG claimed
-        self.generated = collections.Counter()  # step -> groups TAG generated
+        self.taken = collections.Counter()  # step -> trajectories TAG claimed
+        self.generated = collections.Counter()  # step -> trajectories TAG generated
 
-    def state(self, step: int, groups_done: int, start_s: float = 0.0) -> StepState | None:
+    def unit(self, boundary: bool = False) -> int:
+        """Trajectories per unit of the predictor: one with part claims (inside a step), else G."""
+        return 1 if self.part_groups and not boundary else max(self.group_size, 1)
+
+    def state(self, step: int, samples_done: int, start_s: float = 0.0,
+              unit: int | None = None) -> StepState | None:
         gen_rollout = self.rollout_gen_s()
         if gen_rollout is None or self.train.value is None:
             return None  # no estimates yet: the first fragments measure them
-        claimed, announced = self.claimed(step), self.announced_groups(step)
+        u, g = unit or self.unit(), max(self.group_size, 1)
+        claimed, announced = self.claimed(step), self.announced(step)
         return StepState(
-            unclaimed=self.groups_per_step - claimed,
-            in_flight=max(claimed - announced - self.taken[step], 0),
-            waiting=max(announced - (groups_done - self.generated[step]), 0),
-            rollout_ranks=self.rollout_ranks, fragment_groups=self.fragment_groups,
+            unclaimed=(self.samples_per_step - claimed) // u,
+            in_flight=max(claimed - announced - self.taken[step], 0) // u,
+            waiting=max(announced - (samples_done - self.generated[step]), 0) // u,
+            rollout_ranks=self.rollout_ranks, fragment_groups=self.fragment_groups * g // u,
             gen_rollout_s=gen_rollout,
             # unmeasured: assume the trainer GPU generates like a rollout one
-            gen_trainer_s=self.gen_trainer.value if self.gen_trainer.value is not None
-            else gen_rollout / self.fragment_groups,
-            train_s=self.train.value, trainers=self.trainers, group_size=self.group_size,
-            quantum=self.quantum, rollout_start_s=start_s, trainer_start_s=start_s)
+            gen_trainer_s=u * (self.gen_trainer.value if self.gen_trainer.value is not None
+                               else gen_rollout / (self.fragment_groups * g)),
+            train_s=u * self.train.value, trainers=self.trainers,
+            group_size=self.group_size if u > 1 else 0, quantum=self.quantum,
+            rollout_start_s=start_s, trainer_start_s=start_s)
 
-    def consider(self, step: int, groups_done: int, before_publish: bool = False) -> bool:
+    def consider(self, step: int, samples_done: int, before_publish: bool = False) -> bool:
         """Claim the predictor's share of `step` for the trainer group; True if it claimed anything.
         Before a publish, the rollout ranks start on `step` only once the new weights reach them."""
         start = (self.publish.value or 0.0) if before_publish else 0.0
-        state = self.state(step, groups_done, start_s=start)
+        unit = self.unit(boundary=before_publish)
+        state = self.state(step, samples_done, start_s=start, unit=unit)
         n = assist_groups(state) if state is not None else 0
-        claimed = self.claim(step, n) if n else None
+        claimed = self.claim(step, n * unit) if n else None
         if claimed is None:
             return False
-        self.pending[step].append(claimed)
-        self.taken[step] += claimed[1]
+        first, count, *part = claimed
+        g = max(self.group_size, 1)
+        lo, hi = (first * g + part[0][0], first * g + part[0][1]) if part else (
+            first * g, (first + count) * g)
+        self.pending[step].append((lo, hi))
+        self.taken[step] += hi - lo
         return True
 
     def strategy(self, step: int, poll: Callable[[int], bool], train_cmd: int, produce_cmd: int):
         """The leader's `decide` for tsp.lockstep_fragments: train what has arrived, else generate
-        claimed groups, else claim a share if the predictor says so, else wait. (The command numbers
-        are TSP's, passed in so that this file stays self-contained.)"""
-        def decide(next_seq: int, groups_done: int) -> tuple[int, int, int]:
+        claimed trajectories, else claim a share if the predictor says so, else wait. (The command
+        numbers are TSP's, passed in so that this file stays self-contained.)"""
+        def decide(next_seq: int, samples_done: int) -> tuple[int, int, int]:
             while True:
                 if poll(next_seq):
                     return train_cmd, next_seq, 0
-                if self.pending[step] or self.consider(step, groups_done):
-                    first, count = self.pending[step].pop(0)
-                    return produce_cmd, first, count
+                if self.pending[step] or self.consider(step, samples_done):
+                    lo, hi = self.pending[step].pop(0)
+                    return produce_cmd, lo, hi
                 time.sleep(self.poll_s)
         return decide
 
-    def generated_groups(self, step: int, groups: int, seconds: float) -> None:
-        self.generated[step] += groups
-        share = share_groups(groups, self.trainers, self.group_size)  # group times, as predicted
-        self.gen_trainer.update(seconds / max(share, 1e-9))  # seconds per group on one trainer
+    def generated_trajectories(self, step: int, count: int, seconds: float) -> None:
+        self.generated[step] += count
+        g = max(self.group_size, 1)  # the split's cost, as predicted (share_groups)
+        share = share_groups(count / g, self.trainers, self.group_size) * g
+        self.gen_trainer.update(seconds / max(share, 1e-9))  # seconds per trajectory, one trainer
 
-    def trained_groups(self, groups: int, seconds: float) -> None:
-        self.train.update(seconds / max(groups, 1))
+    def trained_trajectories(self, count: int, seconds: float) -> None:
+        self.train.update(seconds / max(count, 1))
 
     def trained(self, fragment, seconds: float) -> None:
-        self.trained_groups(fragment.num_groups, seconds)
+        self.trained_trajectories(fragment.num_samples, seconds)
 
     def before_publish(self, step: int) -> None:
         """Right before publishing step + 1's weights: the rollout ranks are about to claim all of
@@ -269,23 +290,23 @@ class Assistant:
             table.pop(step, None)
 
 
-def assisted_generation(first_group: int, num_groups: int, group_size: int, trainers: int, me: int,
-                        generate: Callable, share: Callable, join: Callable, *, lockstep: bool):
-    """Every trainer generates its contiguous share of the claim's trajectories (a group may be
-    split over several), then the shares are exchanged and joined: the whole fragment on each.
-    generate(first_group, lo, hi): trajectories [lo, hi) of the claim, each from the seeds it has in
+def assisted_generation(lo: int, hi: int, trainers: int, me: int, generate: Callable,
+                        share: Callable, join: Callable, *, lockstep: bool):
+    """Every trainer generates its contiguous share of the claim's trajectories [lo, hi) of the
+    step (a group may be split over several), then the shares are exchanged and joined: the whole
+    claim on each. generate(a, b): trajectories [a, b) of the step, each from the seeds it has in
     one piece, scored, no advantages; share(part | None, owner): owner's part on every trainer;
-    join(parts): concatenated in order, with the group advantages (they need the whole group).
+    join(parts): concatenated in order (the group advantages follow once the groups are whole).
     `lockstep` (FSDP: each forward all-gathers the weights, so every trainer must run the same
     number of forward calls; batch sizes may differ: each share is the floor or the ceiling): a
     trainer with an empty share (fewer trajectories than trainers) generates the claim's first
     trajectory anyway and drops it, a padding pass like TSP's weight-0 pairs."""
-    shares = [split_groups(num_groups * group_size, trainers, r) for r in range(trainers)]
-    lo, hi = shares[me]
-    mine = generate(first_group, lo, hi) if hi > lo else None
+    shares = [tuple(lo + x for x in split_groups(hi - lo, trainers, r)) for r in range(trainers)]
+    a, b = shares[me]
+    mine = generate(a, b) if b > a else None
     if mine is None and lockstep:
-        generate(first_group, 0, 1)  # padding: the same denoising forwards as the others, unused
-    owners = [r for r, (a, b) in enumerate(shares) if b > a]
+        generate(lo, lo + 1)  # padding: the same denoising forwards as the others, unused
+    owners = [r for r, (x, y) in enumerate(shares) if y > x]
     return join([share(mine if r == me else None, r) for r in owners])
 
 
@@ -293,44 +314,47 @@ def assisted_generation(first_group: int, num_groups: int, group_size: int, trai
 def _demo() -> None:
     import torch
 
-    groups, size, claimed = 8, 8, {"n": 1}  # groups of 8; the rollout rank has claimed group 0
+    groups, size = 8, 8  # groups of 8; the rollout rank has claimed group 0 (trajectories 0..7)
+    counter = {"n": size}
 
-    # the queue's atomic claim (gap.FragmentQueue)
-    def claim(step: int, n: int) -> tuple[int, int] | None:
-        first = claimed["n"]
-        claimed["n"] = min(first + n, groups)
-        return (first, claimed["n"] - first) if first < groups else None
+    def claim(step: int, n: int) -> tuple | None:  # gap.FragmentQueue.claim_samples, in short
+        lo, hi = counter["n"], min(counter["n"] + n, groups * size)
+        counter["n"] = hi
+        g0, g1 = lo // size, -(-hi // size)
+        part = None if lo % size == 0 and hi % size == 0 else (lo - g0 * size, hi - g0 * size)
+        return None if lo >= hi else (g0, g1 - g0) + ((part,) if part else ())
 
     assistant = Assistant(groups_per_step=groups, fragment_groups=1, rollout_ranks=1, trainers=4,
-                          quantum=1, claim=claim, claimed=lambda step: claimed["n"],
-                          announced_groups=lambda step: 0,
-                          rollout_gen_s=lambda: 1.0, group_size=size)  # 1 s per group
-    # training one group took 0.1 s on the trainer group
-    assistant.trained_groups(groups=1, seconds=0.1)
-    state = assistant.state(step=0, groups_done=0)
+                          quantum=1, claim=claim, claimed=lambda step: counter["n"],
+                          announced=lambda step: 0, rollout_gen_s=lambda: 1.0,  # 1 s per group
+                          group_size=size, part_groups=True)
+    assistant.trained_trajectories(count=size, seconds=0.1)  # 0.1 s per group on the trainers
+    state = assistant.state(step=0, samples_done=0, unit=size)
     ends = (f"claim {n}: the step ends in {predict_step_end(state, n):.2f} s" for n in range(5))
-    print("TAG, 1 rollout rank at 1 s/group, 4 idle trainers: " + ", ".join(ends))
+    print("TAG, 1 rollout rank at 1 s/group, 4 idle trainers, in groups: " + ", ".join(ends))
     decide = assistant.strategy(0, poll=lambda seq: False, train_cmd=0, produce_cmd=1)
-    kind, first, count = decide(0, 0)
-    print(f"the leader claims groups [{first}, {first + count}) for the trainers "
-          f"(command {kind}: generate)")
-    # Split by trajectories: 6 x 8 = 48 over 4 trainers, 12 each: group 2 (trajectories 8..15 of the
-    # claim) is generated by trainers 0 and 1. Rewards per trajectory, advantages per joined group.
-    def generate(first_group: int, lo: int, hi: int) -> list[float]:  # scored, no advantages
-        return [float((first_group * size + t) % 3) for t in range(lo, hi)]
+    kind, lo, hi = decide(0, 0)
+    print(f"by trajectories the leader claims trajectories [{lo}, {hi}) (command {kind}: "
+          f"generate), {(hi - lo) / size:g} groups: the rest of group {hi // size} is the rollout "
+          "rank's next claim")
+    # The claim is split over the 4 trainers by trajectories, each from the seeds it has in one
+    # piece; a group's advantages wait until all of its members are in (gap.whole_groups).
+    def generate(a: int, b: int) -> list[float]:  # scored trajectories, no advantages
+        return [float(t % 3) for t in range(a, b)]
 
-    def join(parts: list[list[float]]) -> torch.Tensor:  # grpo.group_advantages, in short
-        r = torch.tensor([x for part in parts for x in part]).reshape(-1, size)
-        return (r - r.mean(1, keepdim=True)) / (r.std(1, unbiased=False, keepdim=True) + 1e-4)
+    def advantages(r: list[float]) -> torch.Tensor:  # grpo.group_advantages, in short
+        x = torch.tensor(r).reshape(-1, size)
+        return (x - x.mean(1, keepdim=True)) / (x.std(1, unbiased=False, keepdim=True) + 1e-4)
 
-    shares = [split_groups(count * size, 4, me) for me in range(4)]
-    joined = assisted_generation(first, count, size, 4, 0,
-                                 generate=lambda *a: generate(first, *shares[0]),
-                                 share=lambda part, r: generate(first, *shares[r]), join=join,
+    shares = [tuple(lo + x for x in split_groups(hi - lo, 4, me)) for me in range(4)]
+    joined = assisted_generation(lo, hi, 4, 0, generate=generate,
+                                 share=lambda part, r: generate(*shares[r]),
+                                 join=lambda parts: [x for part in parts for x in part],
                                  lockstep=True)
-    print(f"split by trajectories: trainers' shares {shares}; group {first + 1}'s advantages "
-          "joined == "
-          f"in one piece: {torch.equal(joined[1], join([generate(first + 1, 0, size)])[0])}")
+    last = hi // size  # the split group: TAG's part, then the rollout rank's rest
+    split = joined[(last * size - lo):] + generate(hi, (last + 1) * size)
+    print(f"trainers' shares {shares}; group {last} joined == in one piece: "
+          f"{torch.equal(advantages(split), advantages(generate(last * size, (last + 1) * size)))}")
     bound = StepState(unclaimed=6, in_flight=1, waiting=0, rollout_ranks=1, gen_rollout_s=1.0,
                       gen_trainer_s=1.0, train_s=2.0)
     print(f"when training is the bottleneck (2 s/group) it declines: claim {assist_groups(bound)}")

@@ -32,11 +32,13 @@ import torch.distributed as dist
 from gap import Fragment
 
 # --- the fragment wire format ---------------------------------------------------------------------
-# int64s: [MAGIC, 5 ints, n_tensors, names_len, payload_bytes], then one row per tensor
+# int64s: [MAGIC, 6 ints (Fragment.ints), n_tensors, names_len, payload_bytes], then one row per
+# tensor
 HEADER_LEN = 160
 MAGIC = 0x6469_6765  # "dige"
 MAX_DIMS = 7
-FIXED = 9  # the header's fixed fields before the first tensor row
+INTS = 6  # Fragment.ints(): step, first_group, version, producer, group_size, offset
+FIXED = INTS + 4  # the header's fixed fields before the first tensor row
 ALIGN = 8
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8,
            torch.float64]
@@ -78,8 +80,8 @@ def unpack_fragment(header: torch.Tensor, buffer: torch.Tensor) -> Fragment:
     if int(header[0]) != MAGIC:
         raise RuntimeError(f"fragment header has magic {int(header[0]):#x}, expected {MAGIC:#x}: "
                            "the streams are out of step")
-    ints = [int(x) for x in header[1:6]]
-    n_tensors, names_len = int(header[6]), int(header[7])
+    ints = [int(x) for x in header[1:1 + INTS]]
+    n_tensors, names_len = int(header[1 + INTS]), int(header[2 + INTS])
     keys = bytes(buffer[:names_len].tolist()).decode().split(",")
     offset, tensors = _aligned(names_len), {}
     for i, key in enumerate(keys[:n_tensors]):
@@ -101,7 +103,7 @@ def _transmit(fragment: Fragment, move: Callable[[torch.Tensor], None]) -> None:
 def _receive(move: Callable[[torch.Tensor], None]) -> Fragment:
     header = torch.empty(HEADER_LEN, dtype=torch.int64)
     move(header)
-    buffer = torch.empty(int(header[8]), dtype=torch.uint8)
+    buffer = torch.empty(int(header[3 + INTS]), dtype=torch.uint8)
     move(buffer)
     return unpack_fragment(header, buffer)
 

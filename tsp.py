@@ -183,35 +183,35 @@ def wait_for_arrival(poll: Callable[[int], bool],
                      poll_s: float = 0.001) -> Callable[[int, int], Command]:
     """The leader's default strategy: wait (no deadline) until announcement `next_seq` exists, train
     it."""
-    def decide(next_seq: int, groups_done: int) -> Command:
+    def decide(next_seq: int, samples_done: int) -> Command:
         while not poll(next_seq):
             time.sleep(poll_s)
         return TRAIN, next_seq, 0
     return decide
 
 
-def lockstep_fragments(groups_per_step: int, is_leader: bool,
+def lockstep_fragments(samples_per_step: int, is_leader: bool,
                        decide: Callable[[int, int], Command] | None,
                        share_command: Callable[[Command | None], Command],
                        receive: Callable[[int], object], share_fragment: Callable[[object], object],
                        produce: Callable[[int, int], object]) -> Iterator:
-    """Every trainer iterates the same fragments of one step, in the same order, until all groups
-    are in.
+    """Every trainer iterates the same fragments of one step, in the same order, until all
+    trajectories are in (a fragment may be part of a group: TAG by trajectories).
 
-    decide(next_seq, groups_done) is the leader's strategy (wait_for_arrival, or tag.Assistant's);
+    decide(next_seq, samples_done) is the leader's strategy (wait_for_arrival, or tag.Assistant's);
     it runs on the leader only and may wait. share_command broadcasts its command
     (transport.broadcast_command); receive(seq) is the leader's receive of announced fragment `seq`;
-    share_fragment broadcasts the leader's copy to the group; produce(first_group, num_groups) runs
-    on every trainer for a PRODUCE command."""
-    next_seq, groups_done = 0, 0
-    while groups_done < groups_per_step:
-        kind, a, b = share_command(decide(next_seq, groups_done) if is_leader else None)
+    share_fragment broadcasts the leader's copy to the group; produce(lo, hi) runs on every trainer
+    for a PRODUCE command (trajectories [lo, hi) of the step)."""
+    next_seq, samples_done = 0, 0
+    while samples_done < samples_per_step:
+        kind, a, b = share_command(decide(next_seq, samples_done) if is_leader else None)
         if kind == TRAIN:
             fragment = share_fragment(receive(a) if is_leader else None)
             next_seq += 1
         else:
             fragment = produce(a, b)
-        groups_done += fragment.num_groups
+        samples_done += fragment.num_samples
         yield fragment
 
 
@@ -226,7 +226,7 @@ def _demo() -> None:
         next_latents=torch.randn(m, t_train, dim, generator=g),
         sigmas=torch.rand(m, t_train, generator=g), sigmas_next=torch.rand(m, t_train, generator=g),
         log_probs=torch.zeros(m, t_train), advantages=torch.randn(m, generator=g),
-        cond={"e": torch.zeros(m, 1)}, num_groups=1)
+        cond={"e": torch.zeros(m, 1)}, num_groups=1, num_samples=m)
     theta = torch.zeros(dim, requires_grad=True)
 
     def gradient(packs: list[list[Pair]], masks: list[list[float]]) -> torch.Tensor:
@@ -257,7 +257,7 @@ def _demo() -> None:
     print(f"3 fragments: {spanning} pair slots with packs spanning fragments, {per_fragment} "
           f"packed one by one ({3 * m * t_train} real pairs)")
     commands = iter([(TRAIN, 0, 0), (PRODUCE, 1, 1), (TRAIN, 1, 0)])
-    steps = lockstep_fragments(3, True, lambda seq, done: next(commands), share_command=lambda c: c,
+    steps = lockstep_fragments(3 * m, True, lambda seq, done: next(commands), share_command=lambda c: c,
                                receive=lambda seq: fragment, share_fragment=lambda f: f,
                                produce=lambda a, b: fragment)
     print(f"lockstep: the leader's commands train, produce, train -> {len(list(steps))} fragments, "

@@ -39,16 +39,18 @@ class Send:
 
 
 class TimedGenerate:
-    """generate(step, first, count, version) on a rollout rank, its time per group reported for
-    TAG."""
+    """generate(step, first, count, version, part) on a rollout rank (part: the rest of a group TAG
+    took part of), its time per group reported for TAG."""
 
     def __init__(self, generate: Callable[..., gap.Fragment], rank: int, times: tag.RolloutTimes):
         self.generate, self.rank, self.times = generate, rank, times
 
-    def __call__(self, step: int, first: int, count: int, version: int) -> gap.Fragment:
+    def __call__(self, step: int, first: int, count: int, version: int,
+                 part: tuple[int, int] | None = None) -> gap.Fragment:
         start = time.perf_counter()
-        fragment, = self.generate(step, [(first, count)], version, self.rank)
-        self.times.report(self.rank, time.perf_counter() - start, count)
+        fragment, = self.generate(step, [(first, count)], version, self.rank, part=part)
+        self.times.report(self.rank, time.perf_counter() - start,
+                          fragment.num_samples / fragment.group_size)
         return fragment
 
 
@@ -81,10 +83,12 @@ class TrainerFragments:
             decide = self.assistant.strategy(step, poll, tsp.TRAIN, tsp.PRODUCE)  # TAG
         else:
             decide = tsp.wait_for_arrival(poll)
-        return tsp.lockstep_fragments(self.cfg.prompts_per_step, g.is_leader,
-                                      functools.partial(self.wait, step, decide),
-                                      self.share_command, functools.partial(self.receive_seq, step),
-                                      self.share_fragment, functools.partial(self.assist, step))
+        fragments = tsp.lockstep_fragments(
+            self.cfg.prompts_per_step * self.cfg.group_size, g.is_leader,
+            functools.partial(self.wait, step, decide), self.share_command,
+            functools.partial(self.receive_seq, step), self.share_fragment,
+            functools.partial(self.assist, step))
+        return gap.whole_groups(fragments, self.complete)  # TAG by trajectories: parts joined
 
     def arrived(self, step: int, seq: int) -> bool:
         return self.queue.poll(step, seq) is not None
@@ -116,28 +120,29 @@ class TrainerFragments:
             return transport.broadcast_fragment(part, self.groups.trainer_ranks[owner],
                                                 self.groups.trainer_data)
 
-    def assist(self, step: int, first: int, count: int) -> gap.Fragment:
-        """TAG, on every trainer: generate its share of the claimed groups' trajectories with the
-        current weights; the joined fragment gets its advantages on every trainer."""
+    def assist(self, step: int, lo: int, hi: int) -> gap.Fragment:
+        """TAG, on every trainer: generate its share of the claimed trajectories [lo, hi) with the
+        current weights; the shares joined on every trainer (advantages once groups are whole)."""
         start = time.perf_counter()
-        generate = functools.partial(self.generate_part, step, count)
         g = self.groups
-        fragment = tag.assisted_generation(first, count, self.cfg.group_size, g.num_trainers,
-                                           g.trainer_index, generate=generate,
-                                           share=self.share_part, join=self.join,
+        fragment = tag.assisted_generation(lo, hi, g.num_trainers, g.trainer_index,
+                                           generate=functools.partial(self.generate_part, step),
+                                           share=self.share_part, join=gap.concat_fragments,
                                            lockstep=self.cfg.fsdp)  # FSDP: the same forwards
         if self.assistant is not None:
-            self.assistant.generated_groups(step, count, time.perf_counter() - start)
+            self.assistant.generated_trajectories(step, hi - lo, time.perf_counter() - start)
         return fragment
 
-    def generate_part(self, step: int, count: int, first: int, lo: int, hi: int) -> gap.Fragment:
-        """Trajectories [lo, hi) of groups [first, first + count): scored, no advantages yet."""
+    def generate_part(self, step: int, lo: int, hi: int) -> gap.Fragment:
+        """Trajectories [lo, hi) of the step: scored, no advantages yet."""
+        first, count, *part = gap.claim_of(lo, hi, self.cfg.group_size)
+        g = self.cfg.group_size
         return self.generate(step, [(first, count)], self.version(), tag.TAG_PRODUCER,
-                             part=(lo, hi))[0]
+                             part=part[0] if part else (0, count * g))[0]
 
-    def join(self, parts: list[gap.Fragment]) -> gap.Fragment:
-        joined = gap.concat_fragments(parts)  # whole groups again: their advantages can be computed
-        return rollout.with_advantages(joined, rollout.SamplingConfig.of(self.cfg))
+    def complete(self, fragment: gap.Fragment) -> gap.Fragment:
+        """Joined whole groups with their group advantages (they need the whole group)."""
+        return rollout.with_advantages(fragment, rollout.SamplingConfig.of(self.cfg))
 
 
 def assistant(cfg, groups: comm.Groups, queue: gap.FragmentQueue, job) -> tag.Assistant:
@@ -146,10 +151,11 @@ def assistant(cfg, groups: comm.Groups, queue: gap.FragmentQueue, job) -> tag.As
     times = tag.RolloutTimes(job.prefixed("timing"), groups.rollout_ranks, cfg.fragment_groups)
     return tag.Assistant(cfg.prompts_per_step, cfg.fragment_groups, len(groups.rollout_ranks),
                          groups.num_trainers,
-                         quantum=1, claim=queue.claim,  # split by trajectories: any claim fits FSDP
-                         claimed=queue.num_claimed, announced_groups=queue.num_announced_groups,
+                         quantum=1, claim=queue.claim_samples,  # split by trajectories: fits FSDP
+                         claimed=queue.num_claimed_samples, announced=queue.num_announced_samples,
                          rollout_gen_s=times.per_fragment_s, steps=cfg.steps,
-                         group_size=cfg.group_size)  # the predictor costs the split by trajectories
+                         group_size=cfg.group_size,  # the predictor costs the split by trajectories
+                         part_groups=cfg.tag_part_groups)  # claims of part of a group
 
 
 def publish(groups: comm.Groups, dtype, tensors, count: int, version: int) -> None:

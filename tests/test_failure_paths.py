@@ -73,7 +73,7 @@ def _worker(rank, world, store, fault, use_tcss, fragment_groups, groups_per_ste
             raise ConnectionResetError("injected: the publish stream broke")
         return transport.receive_weights(1, publish, shapes)
 
-    def generate(step, first, count, version):
+    def generate(step, first, count, version, part=None):
         return _fragment(step, first, count, version, 0)
 
     sender = transport.FragmentSender(failing_send)

@@ -24,6 +24,7 @@ atomic `add`), and plain callables stand in for the ranks. Each test names the b
 Run: python -m pytest -q tests/test_protocol.py
 """
 import types
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -211,9 +212,9 @@ def test_concat_and_to_keep_group_order_and_every_header_field():
     for part in parts:
         part.step, part.policy_version, part.producer = 9, 7, tag.TAG_PRODUCER
     whole = gap.concat_fragments(parts)
-    # (step, first_group, policy_version, producer, group_size): a swapped field would mislabel the version
-    header = (whole.step, whole.first_group, whole.policy_version, whole.producer, whole.group_size)
-    assert header == (9, 3, 7, -2, 2)
+    # (step, first_group, policy_version, producer, group_size, offset): a swapped field would mislabel the version
+    header = (whole.step, whole.first_group, whole.policy_version, whole.producer, whole.group_size, whole.offset)
+    assert header == (9, 3, 7, -2, 2, 0)
     assert whole.to("cpu").ints() == whole.ints() == list(header)
     assert whole.num_groups == 4
     assert whole.rewards.tolist() == list(range(6, 14)) and whole.cond["e"][:, 0].tolist() == list(range(6, 14))
@@ -250,22 +251,22 @@ def test_dealt_fragments_give_each_announcement_to_exactly_one_trainer():
 
 
 # --- TSP: the lockstep protocol; TAG: assisted generation ------------------------------------------------
-def test_lockstep_trains_each_announced_fragment_once_and_counts_groups():
-    commands = [(tsp.TRAIN, 0, 0), (tsp.PRODUCE, 4, 1), (tsp.TRAIN, 1, 0), (tsp.TRAIN, 2, 0)]
+def test_lockstep_trains_each_announced_fragment_once_and_counts_trajectories():
+    commands = [(tsp.TRAIN, 0, 0), (tsp.PRODUCE, 8, 10), (tsp.TRAIN, 1, 0), (tsp.TRAIN, 2, 0)]
     asked = []
 
-    def next_command(next_seq, groups_done):
-        asked.append((next_seq, groups_done))
+    def next_command(next_seq, samples_done):
+        asked.append((next_seq, samples_done))
         return commands[len(asked) - 1]
 
     announced = {0: _numbered_fragment(0, 2), 1: _numbered_fragment(2, 2), 2: _numbered_fragment(5, 1)}
-    got = list(tsp.lockstep_fragments(6, True, next_command, share_command=lambda c: c,
+    got = list(tsp.lockstep_fragments(12, True, next_command, share_command=lambda c: c,
                                       receive=announced.__getitem__, share_fragment=lambda f: f,
-                                      produce=lambda a, b: _numbered_fragment(a, b)))
+                                      produce=lambda lo, hi: _numbered_fragment(lo // 2, (hi - lo) // 2)))
     assert [f.first_group for f in got] == [0, 4, 2, 5]  # each announced fragment once, TAG's groups in between
-    assert asked == [(0, 0), (1, 2), (1, 3), (2, 5)]  # the leader is asked with the next sequence and groups done
+    assert asked == [(0, 0), (1, 4), (1, 6), (2, 10)]  # asked with the next sequence and trajectories done
     # a non-leader follows the leader's commands and never receives from the rollout itself
-    follower = tsp.lockstep_fragments(6, False, None, share_command=lambda c: commands[0], receive=None,
+    follower = tsp.lockstep_fragments(12, False, None, share_command=lambda c: commands[0], receive=None,
                                       share_fragment=lambda f: announced[0], produce=None)
     assert next(follower) is announced[0]
 
@@ -285,24 +286,23 @@ def test_assisted_generation_generates_each_claimed_trajectory_once_at_its_globa
     for trainers, num_groups in [(1, 3), (2, 3), (3, 5), (4, 1), (4, 2)]:
         generated, parts = [], {}
 
-        def generate(first, lo, hi):
-            generated.append((first, lo, hi))
-            return _numbered_rows(first, lo, hi)
+        def generate(lo, hi):
+            generated.append((lo, hi))
+            return _numbered_rows(5, lo - 15, hi - 15)
 
         def keep(part, owner):
             if part is not None:
                 parts[owner] = part
 
         for me in range(trainers):  # every trainer generates its share (the exchange comes next)
-            tag.assisted_generation(5, num_groups, 3, trainers, me, generate, keep,
+            tag.assisted_generation(15, 15 + 3 * num_groups, trainers, me, generate, keep,
                                     join=lambda shares: None, lockstep=False)
-        covered = sorted(5 * 3 + t for first, lo, hi in generated for t in range(lo, hi)
-                         if first == 5)
+        covered = sorted(t for lo, hi in generated for t in range(lo, hi))
         assert covered == list(range(15, 15 + 3 * num_groups)), (trainers, generated)
-        sizes = {hi - lo for _, lo, hi in generated}
+        sizes = {hi - lo for lo, hi in generated}
         assert max(sizes) - min(sizes) <= 1  # the floor or the ceiling each: none idles a group
         if num_groups * 3 % trainers:
-            assert any(lo % 3 for _, lo, hi in generated)  # some group is split over trainers
+            assert any(lo % 3 for lo, hi in generated)  # some group is split over trainers
 
         def join(shares):
             whole = gap.concat_fragments(shares)
@@ -312,8 +312,8 @@ def test_assisted_generation_generates_each_claimed_trajectory_once_at_its_globa
             return whole
 
         for me in range(trainers):  # the exchange: every trainer ends with the whole, in order
-            whole = tag.assisted_generation(5, num_groups, 3, trainers, me,
-                                            lambda f, lo, hi: parts[me],
+            whole = tag.assisted_generation(15, 15 + 3 * num_groups, trainers, me,
+                                            lambda lo, hi: parts[me],
                                             lambda part, owner: parts[owner], join, lockstep=False)
             assert whole.first_group == 5 and whole.num_groups == num_groups
             assert whole.rewards.tolist() == list(range(15, 15 + 3 * num_groups))
@@ -325,39 +325,51 @@ def test_the_assistant_hands_the_predictor_the_queues_counts_and_scripted_times(
     counts = {"claimed": 0, "announced": 0}
     claims = []
 
+    G = 3  # the queue counts trajectories; the predictor decides in groups (or, part_groups, trajectories)
+
     def claim(step, n):
         first = counts["claimed"]
         counts["claimed"] += n
         claims.append((step, first, n))
-        return first, n
+        return gap.claim_of(first, first + n, G)
 
     rollout_gen = {"s": None}
     assistant = tag.Assistant(groups_per_step=8, fragment_groups=2, rollout_ranks=1, trainers=2, quantum=2,
                               claim=claim, claimed=lambda step: counts["claimed"],
-                              announced_groups=lambda step: counts["announced"], rollout_gen_s=lambda: rollout_gen["s"])
+                              announced=lambda step: counts["announced"], rollout_gen_s=lambda: rollout_gen["s"],
+                              group_size=G)
     seen = []
     monkeypatch.setattr(tag, "assist_groups", lambda state, margin_s=0.0: seen.append(state) or 2)
-    assistant.trained_groups(4, 0.08)  # 0.02 s per group
+    assistant.trained_trajectories(4 * G, 0.08)  # 0.02 s per group
     assert not assistant.consider(3, 0) and not seen  # no rollout rank has reported: no decision, no claim
     rollout_gen["s"] = 1.0  # a rollout rank reported 1 s per fragment of 2 groups
     assistant.train = tag.RunningMean()
     assert not assistant.consider(3, 0) and not seen  # training not measured yet (the trainers' generation may not be)
-    assistant.trained_groups(4, 0.08)
+    assistant.trained_trajectories(4 * G, 0.08)
     assistant.published(0.25)
-    counts.update(claimed=4, announced=2)  # the rollout rank: 4 groups claimed, 2 of them announced
+    counts.update(claimed=4 * G, announced=2 * G)  # the rollout rank: 4 groups claimed, 2 of them announced
     assert assistant.consider(3, 0, before_publish=True)
-    assert claims == [(3, 4, 2)] and assistant.pending[3] == [(4, 2)] and assistant.taken[3] == 2
+    assert claims == [(3, 4 * G, 2 * G)] and assistant.pending[3] == [(4 * G, 6 * G)] and assistant.taken[3] == 2 * G
     want = tag.StepState(unclaimed=4, in_flight=2, waiting=2, rollout_ranks=1, gen_rollout_s=1.0, gen_trainer_s=0.5,
                          train_s=0.02, fragment_groups=2, trainers=2, quantum=2, rollout_start_s=0.25,
-                         trainer_start_s=0.25)
-    assert seen[-1] == want  # unmeasured trainer generation: a rollout group's time (1.0 / 2)
+                         trainer_start_s=0.25, group_size=G)
+    assert asdict(seen[-1]) == pytest.approx(asdict(want))  # unmeasured trainer generation: a rollout group's time (1.0 / 2)
     # mid-step: no publish ahead (start 0); TAG's own 2 groups are neither in flight nor waiting; 2 of the 4 groups
     # done so far were TAG's, generated in 0.6 s by the 2 trainers (one group each)
-    assistant.generated_groups(3, 2, 0.6)
-    counts.update(claimed=6, announced=4)
-    assistant.consider(3, 4)
-    assert seen[-1] == tag.StepState(unclaimed=2, in_flight=0, waiting=2, rollout_ranks=1, gen_rollout_s=1.0,
-                                     gen_trainer_s=0.6, train_s=0.02, fragment_groups=2, trainers=2, quantum=2)
+    assistant.generated_trajectories(3, 2 * G, 0.6)
+    counts.update(claimed=6 * G, announced=4 * G)
+    assistant.consider(3, 4 * G)
+    assert asdict(seen[-1]) == pytest.approx(asdict(tag.StepState(
+        unclaimed=2, in_flight=0, waiting=2, rollout_ranks=1, gen_rollout_s=1.0, gen_trainer_s=0.6, train_s=0.02,
+        fragment_groups=2, trainers=2, quantum=2, group_size=G)))
+    # with part claims, inside a step the predictor counts trajectories: the same state, per trajectory
+    assistant.part_groups = True
+    counts.update(claimed=6 * G + 1)  # TAG's part claim took the first member of group 6
+    assistant.consider(3, 4 * G)
+    assert asdict(seen[-1]) == pytest.approx(asdict(tag.StepState(
+        unclaimed=2 * G - 1, in_flight=0, waiting=2 * G, rollout_ranks=1, gen_rollout_s=1.0,
+        gen_trainer_s=0.6 / G, train_s=0.02 / G, fragment_groups=2 * G, trainers=2, quantum=2, group_size=0)))
+    assert claims[-1] == (3, 6 * G + 1, 2) and assistant.pending[3][-1] == (6 * G + 1, 6 * G + 3)
 
 
 def test_loopback_data_plane_warning():

@@ -73,12 +73,13 @@ def test_fragment_units_still_work():
 
 def _assistant(group_size):
     claims = []
+    g = max(group_size, 1)  # the queue counts trajectories; the Assistant's estimates are per trajectory
     assistant = tag.Assistant(groups_per_step=2, fragment_groups=1, rollout_ranks=1, trainers=4,
-                              quantum=1, claim=lambda step, n: claims.append(n) or (0, n),
-                              claimed=lambda step: 0, announced_groups=lambda step: 0,
+                              quantum=1, claim=lambda step, n: claims.append(n // g) or (0, n // g),
+                              claimed=lambda step: 0, announced=lambda step: 0,
                               rollout_gen_s=lambda: 1.0, group_size=group_size)
-    assistant.train.update(0.05)
-    assistant.gen_trainer.update(1.0)  # a group on one trainer takes as long as on the rollout rank
+    assistant.train.update(0.05 / g)
+    assistant.gen_trainer.update(1.0 / g)  # a group on one trainer takes as long as on the rollout rank
     return assistant, claims
 
 
@@ -100,7 +101,7 @@ def test_the_runtime_leader_costs_a_claim_split_by_trajectories():
     assert by_groups.consider(0, 0) and claims == [1]
     # measured: 2 groups in 0.5 s by 4 trainers is 4 trajectories each: 1 s per group on one trainer
     by_traj.gen_trainer = tag.RunningMean()
-    by_traj.generated_groups(0, 2, 0.5)
-    assert by_traj.gen_trainer.value == pytest.approx(1.0)
+    by_traj.generated_trajectories(0, 16, 0.5)
+    assert by_traj.gen_trainer.value * 8 == pytest.approx(1.0)
     assert tag.share_groups(1, 4, 8) == 0.25 and tag.share_groups(5, 4) == 2
     assert tag.share_groups(3, 2, 3) == 5 / 3

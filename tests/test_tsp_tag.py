@@ -93,7 +93,8 @@ def test_a_group_split_over_trainers_by_trajectories_is_the_group_generated_in_o
     def join(shares):
         return with_advantages(gap.concat_fragments(shares), sampling)
 
-    whole = tag.assisted_generation(spec.first_group, spec.num_groups, g, k, 0, lambda *a: parts[0],
+    lo = spec.first_group * g
+    whole = tag.assisted_generation(lo, lo + spec.num_groups * g, k, 0, lambda *a: parts[0],
                                     lambda part, owner: parts[owner], join, lockstep=True)
     assert (whole.first_group, whole.num_groups, whole.group_size) == (0, 2, 3)
     for name in ("prompt_ids", "timestep_index", "sigmas", "sigmas_next"):
@@ -201,26 +202,29 @@ def test_a_short_tag_claim_still_gives_every_fsdp_trainer_the_same_forwards():
             assert queue.claim(step_, fragment_groups) == (16, 6)
         return queue.claim(step_, n)
 
-    assistant = tag.Assistant(groups, fragment_groups, 1, k, quantum=k, claim=claim, claimed=queue.num_claimed,
-                              announced_groups=queue.num_announced_groups, rollout_gen_s=lambda: 6.0)
+    # one trajectory per group here (the queue's group size 1), so the short claim has fewer trajectories than
+    # trainers
+    assistant = tag.Assistant(groups, fragment_groups, 1, k, quantum=k, claim=lambda step_, n: claim(step_, n),
+                              claimed=queue.num_claimed_samples, announced=queue.num_announced_samples,
+                              rollout_gen_s=lambda: 6.0)
     assistant.train.update(0.1)
     assistant.gen_trainer.update(1.0)
-    assistant.pending[step].append(queue.claim(step, 4))  # an earlier TAG share: groups 12..15
+    earlier = queue.claim(step, 4)  # an earlier TAG share: groups 12..15
+    assistant.pending[step].append((earlier[0], earlier[0] + earlier[1]))
     assistant.taken[step] += 4
     assistant.generated[step] += 4
-    state = assistant.state(step, groups_done=16)
+    state = assistant.state(step, samples_done=16)
     assert (state.unclaimed, tag.assist_groups(state)) == (8, 8)  # the leader decides 8 = 2K groups ...
     assistant.pending[step].clear()
-    assert assistant.consider(step, groups_done=16)
-    first, count = assistant.pending[step][0]
-    assert (first, count) == (22, 2)  # ... and gets 2: fewer than the K trainers
+    assert assistant.consider(step, samples_done=16)
+    lo, hi = assistant.pending[step][0]
+    assert (lo, hi) == (22, 24)  # ... and gets 2: fewer than the K trainers
     calls = {me: [] for me in range(k)}
-    g = 1  # one trajectory per group here, so the short claim has fewer trajectories than trainers
     for me in range(k):  # each trainer's side of the command (gap.broadcast_fragment stands in as `share`)
         tag.assisted_generation(
-            first, count, g, k, me, share=lambda part, owner: part, join=list, lockstep=True,
-            generate=lambda f, lo, hi, me=me: calls[me].append((f, lo, hi)) or (f, lo, hi))
+            lo, hi, k, me, share=lambda part, owner: part, join=list, lockstep=True,
+            generate=lambda a, b, me=me: calls[me].append((a, b)) or (a, b))
     assert [len(c) for c in calls.values()] == [1] * k, calls  # the same denoising forwards on every trainer
-    kept = sorted(f * g + t for me in range(k) for f, lo, hi in calls[me][:1] for t in range(lo, hi)
-                  if tag.split_groups(count * g, k, me)[1] > tag.split_groups(count * g, k, me)[0])
+    kept = sorted(t for me in range(k) for a, b in calls[me][:1] for t in range(a, b)
+                  if tag.split_groups(hi - lo, k, me)[1] > tag.split_groups(hi - lo, k, me)[0])
     assert kept == [22, 23]  # the trajectories themselves are generated once, by their owners

@@ -143,7 +143,7 @@ def _disaggregated(sim, mode, costs, cluster, wl):
     _, gap_on, tsp_on, tag_on, tcss_on = mechanisms(mode)
     P, R, B, G, S = cluster.nproc, cluster.rollout_ranks, wl.groups, wl.group_size, wl.steps
     N, m = B * G, wl.m  # trajectories per step, per fragment
-    unit = 1 if wl.tag_split == "trajectories" else G  # TAG's claim unit, in trajectories
+    unit = 1 if wl.tag_split in ("trajectories", "part-groups") else G  # TAG's claim unit, in trajectories
     trainers = list(range(R, P))
     K, leader = len(trainers), trainers[0]
     t_speed = cluster.speed(leader)
@@ -159,6 +159,14 @@ def _disaggregated(sim, mode, costs, cluster, wl):
         lo = claimed[step]
         claimed[step] = min(lo + max(n, 0), N)
         return lo, claimed[step]
+
+    def rollout_claim(step):
+        """A rollout rank's claim: m trajectories; under "part-groups" it ends on a group boundary (the rest of a
+        group TAG split, then whole groups: at most m)."""
+        if wl.tag_split != "part-groups":
+            return claim(step, m)
+        lo = claimed[step]
+        return claim(step, lo // G * G + m - lo)
 
     def transfer_s(trajectories):
         return costs.transfer_s * trajectories / m
@@ -177,13 +185,13 @@ def _disaggregated(sim, mode, costs, cluster, wl):
             if held < state["published"]:
                 yield ("delay", costs.weights_latency_s)
                 held = state["published"]
-            while (got := claim(step, m))[1] > got[0]:
+            while (got := rollout_claim(step))[1] > got[0]:
                 yield from produce(step, *got, held)
             while tcss_on and step + 1 < S and state["published"] < step + 1:
                 stale_claims[step + 1] += 1  # TCSS: the budget j counts fragments
                 if stale_claims[step + 1] > max_stale:
                     break
-                if (got := claim(step + 1, m))[1] == got[0]:
+                if (got := rollout_claim(step + 1))[1] == got[0]:
                     break
                 yield from produce(step + 1, *got, held)
 

@@ -48,10 +48,11 @@ def _scripted_consider(self, step, groups_done, before_publish=False):
     if _tcss["on"]:
         if step in NO_AHEAD:
             return False
-        while self.announced_groups(step) < self.fragment_groups:  # the rollout's fragment generated ahead
+        while self.announced(step) < self.fragment_groups * self.group_size:  # the fragment generated ahead
             time.sleep(0.001)
     self.rollout_gen_s = lambda: GEN_ROLLOUT_S * self.fragment_groups
-    self.train.value, self.gen_trainer.value, self.publish.value = TRAIN_S, GEN_TRAINER_S, PUBLISH_S
+    g = self.group_size  # the Assistant's estimates are per trajectory
+    self.train.value, self.gen_trainer.value, self.publish.value = TRAIN_S / g, GEN_TRAINER_S / g, PUBLISH_S
     return _consider(self, step, groups_done, before_publish)
 
 
