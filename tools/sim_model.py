@@ -63,9 +63,10 @@ class Workload:
     tsp_pack: int = 4
     fsdp: bool = False  # TAG claims multiples of K groups (every FSDP rank runs the same forwards)
     # Issue 25's two runtime changes, as options of the one cost model (defaults = today's runtime):
-    tag_split: str = "groups"  # "trajectories": TAG claims any number of trajectories (part of a group
-    #   too) and splits them over the K trainers by trajectories; "groups": whole groups, split by
-    #   groups; "group-claims": whole groups split by trajectories (the runtime's TAG, issue 25)
+    tag_split: str = "groups"  # "part-groups": TAG may claim part of a group inside a step, a rollout
+    #   rank the rest (--tag-part-groups); "trajectories": the same with unaligned rollout claims (a
+    #   what-if); "groups": whole groups, split by groups; "group-claims": whole groups split by
+    #   trajectories (the runtime's TAG, issue 25)
     tsp_span: bool = False  # TSP packs span the fragments of a step: padding once per step, not per fragment
     updates_per_batch: int = 1  # M (--updates-per-batch): an optimizer step after each of M group-range
     #   minibatches (gap.minibatch_bounds); spanning packs are padded once per update
@@ -140,6 +141,33 @@ def bound_s(costs: Costs, wl: Workload, cluster: Cluster) -> float:
     b = min(costs.train_s.values())
     capacity = sum(cluster.speed(r) for r in range(cluster.nproc))
     return wl.trajectories * (wl.num_steps * f + wl.train_steps * b) / capacity
+
+
+def disaggregated_floor_s(costs: Costs, wl: Workload, cluster: Cluster, packs=(1, 2, 4, 8)) -> float:
+    """The shortest steady-state step ANY disaggregated schedule of this model can reach with R =
+    cluster.rollout_ranks: the K lockstep trainers train every pair (each update padded to whole TSP
+    passes: ceil(pairs_j / (K p)) passes of p) and pay the per-step costs (optimizer and all-reduce
+    per update, publish, step end); generation is split between the rollout ranks and TAG on the
+    trainers in any fractional amount (TCSS lets the rollout ranks run across step boundaries), at
+    the cheapest per-trajectory cost; transfers are free. A relaxation: no simulated schedule beats
+    it (tests/test_simulate.py), so a floor above a baseline's step means no DigenRL schedule can
+    win there."""
+    R, P = cluster.rollout_ranks, cluster.nproc
+    K, t_speed = P - R, cluster.speed(R)
+    rollout_speed = sum(cluster.speed(r) for r in range(R))
+    branches = 2 if costs.true_cfg else 1
+    traj = (wl.num_steps * branches * min(costs.forward_s.values()) + costs.decode_s + costs.reward_s)
+    best = math.inf
+    for p in packs:
+        passes = sum(math.ceil((hi - lo) * wl.group_size * wl.train_steps / (K * p)) for lo, hi in wl.bounds)
+        train = (passes * p * per_item(costs.train_s, p) / t_speed + costs.publish_s + costs.step_overhead_s
+                 + wl.updates_per_batch * (costs.optimizer_s + (costs.allreduce_s if K > 1 else 0.0)))
+        # x trajectories on the trainers: rollout (N - x) traj / speed = train + x traj / (K t_speed)
+        n = wl.trajectories
+        x = (n * traj / rollout_speed - train) / (traj / rollout_speed + traj / (K * t_speed))
+        x = min(max(x, 0.0), n)
+        best = min(best, max((n - x) * traj / rollout_speed, train + x * traj / (K * t_speed)))
+    return best
 
 
 # --- a tiny discrete-event engine ---------------------------------------------------------------

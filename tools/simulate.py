@@ -22,9 +22,11 @@ Issue 25's two runtime changes are Workload options of this one model (defaults:
   tag_split   "group-claims": whole groups, split over the K trainers by trajectories (the runtime's TAG
               since issue 25: tag.Assistant with group_size G; tools/plan.py and bench.py simulate it);
               "groups": whole groups, split by groups (a trainer without a share idles: the runtime before
-              issue 25); "trajectories": a what-if no runtime does: the predictor runs in units of
-              trajectories, so the leader may claim part of a group, split by trajectories
-              (tools/paper_scale.py prints it beside the runtime's, to show what it would buy).
+              issue 25); "part-groups": the runtime with --tag-part-groups: inside a step the predictor
+              runs in units of trajectories, so the leader may claim part of a group, and a rollout
+              rank's claim ends on a group boundary (the rest of a split group, then whole groups, at
+              most m trajectories); at a step boundary it claims whole groups; "trajectories": a what-if
+              of the same with rollout claims of m trajectories from anywhere (no runtime does that).
 Colocated: every rank generates its static share of fragments, then trains it; "colocated-real"
 also pays `costs.switch_s` per step (offload/reload and weight sync, see paper_scale.py).
 Several steps are simulated; the report is the steady-state mean (warm-up and last step excluded).
@@ -206,18 +208,19 @@ def _disaggregated(sim, mode, costs, cluster, wl):
     decisions = {}
 
     def tag_wants(step, next_seq, boundary=False):
-        """tag.assist_groups' claim, in trajectories."""
+        """tag.assist_groups' claim, in trajectories (part claims only inside a step, as tag.Assistant)."""
         key = (step, claimed[step], len(announced[step]), next_seq, boundary)
+        u = G if boundary and wl.tag_split == "part-groups" else unit
         if key not in decisions:
             arrived = sum(hi - lo for lo, hi, _ in announced[step])
-            decisions[key] = unit * tag.assist_groups(tag.StepState(
-                unclaimed=(N - claimed[step]) // unit,
-                waiting=sum(hi - lo for lo, hi, _ in announced[step][next_seq:]) // unit,
-                in_flight=max(claimed[step] - arrived - tag_claimed[step], 0) // unit, rollout_ranks=R,
-                gen_rollout_s=gen_rollout, gen_trainer_s=gen_unit, train_s=train_unit,
-                fragment_groups=m // unit, trainers=K,
-                quantum=K if wl.fsdp and wl.tag_split != "group-claims" else 1,
-                group_size=G if wl.tag_split == "group-claims" else 0,  # the runtime's split cost
+            decisions[key] = u * tag.assist_groups(tag.StepState(
+                unclaimed=(N - claimed[step]) // u,
+                waiting=sum(hi - lo for lo, hi, _ in announced[step][next_seq:]) // u,
+                in_flight=max(claimed[step] - arrived - tag_claimed[step], 0) // u, rollout_ranks=R,
+                gen_rollout_s=gen_rollout, gen_trainer_s=gen_unit * u / unit, train_s=train_unit * u / unit,
+                fragment_groups=m // u, trainers=K,
+                quantum=K if wl.fsdp and wl.tag_split in ("groups", "trajectories") else 1,
+                group_size=G if u == G and wl.tag_split != "groups" else 0,  # the runtime's split cost
                 rollout_start_s=(costs.publish_s + costs.weights_latency_s) if boundary else 0.0,
                 trainer_start_s=costs.publish_s if boundary else 0.0))
         return decisions[key]
