@@ -257,8 +257,9 @@ def _demo() -> None:
     print(f"3 fragments: {spanning} pair slots with packs spanning fragments, {per_fragment} "
           f"packed one by one ({3 * m * t_train} real pairs)")
     commands = iter([(TRAIN, 0, 0), (PRODUCE, 1, 1), (TRAIN, 1, 0)])
-    steps = lockstep_fragments(3 * m, True, lambda seq, done: next(commands), share_command=lambda c: c,
-                               receive=lambda seq: fragment, share_fragment=lambda f: f,
+    steps = lockstep_fragments(3 * m, True, lambda seq, done: next(commands),
+                               share_command=lambda c: c, receive=lambda seq: fragment,
+                               share_fragment=lambda f: f,
                                produce=lambda a, b: fragment)
     print(f"lockstep: the leader's commands train, produce, train -> {len(list(steps))} fragments, "
           "3 groups")
