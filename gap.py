@@ -2,9 +2,11 @@
 trainer.
 
 Paper: DigenRL, "generation-axis pipeline" (docs/DESIGN.md sections 4-5). A batch of B prompts x G
-samples is cut into fragments: contiguous ranges of whole groups. Ranks claim group ranges from an
-atomic counter in a torch.distributed store (`store.add`): rollout ranks take `fragment_groups`
-groups at a time, so fast ranks take more, and an idle trainer can take a share (TAG, tag.py).
+samples is cut into fragments: contiguous ranges of whole groups. Ranks claim ranges from an atomic
+counter of trajectories in a torch.distributed store (compare-and-set): rollout ranks take
+`fragment_groups` groups at a time, so fast ranks take more, and an idle trainer can take a share
+(TAG, tag.py), part of a group too (then the next rollout claim is the rest of that group, and the
+trainers join the parts before training them: tag.whole_groups).
 A trajectory's prompt and noise seeds depend only on (seed, step, its global index in the batch), so
 a fragment yields the same trajectories whichever rank generates it and however the batch is cut.
 A finished fragment is announced in the store (sequence number -> producer, groups, destination),
@@ -73,7 +75,7 @@ class Fragment:
     reward_parts: torch.Tensor  # [m, n_rewards] each named reward (for metrics)
     advantages: torch.Tensor  # [m]
     # > 0: a part of a group (TAG by trajectories): the first trajectory is member `offset` of
-    # first_group; such a part has no advantages until joined (whole_groups)
+    # first_group; such a part has no advantages until joined (tag.whole_groups)
     offset: int = 0
     # False for a later part of a fragment split at a minibatch boundary
     opens_fragment: bool = True
@@ -138,49 +140,6 @@ def rows_of(fragment: Fragment, lo: int, hi: int) -> Fragment:
     ints = fragment.ints()
     ints[1], ints[5] = lo // g, lo % g  # first_group, offset
     return Fragment.from_parts(ints, {k: v[rows] for k, v in fragment.tensors().items()})
-
-
-def whole_groups(fragments: Iterable[Fragment], complete: Callable[[Fragment], Fragment]
-                 ) -> Iterator[Fragment]:
-    """TAG by trajectories: parts of groups joined back into whole groups, in any arrival order.
-    A whole fragment passes as it is; parts wait until their group's G trajectories are all in, then
-    the run of whole groups is yielded once, with `complete` (the group advantages: they need the
-    whole group). The members of a group must share one policy version (TCSS's invariant)."""
-    waiting: list[Fragment] = []  # parts, sorted by first trajectory; never two overlapping
-    for fragment in fragments:
-        if fragment.is_whole and not fragment.advantages.isnan().any():
-            yield fragment
-            continue
-        waiting = sorted([*waiting, fragment], key=lambda f: f.first_sample)
-        run, kept = [], []
-        for part in waiting + [None]:  # contiguous runs of parts
-            if run and (part is None or part.first_sample != run[-1].first_sample
-                        + run[-1].num_samples):
-                kept.extend(_yield_whole(run, complete, out := []))
-                yield from out
-                run = []
-            if part is not None:
-                run.append(part)
-        waiting = kept
-
-
-def _yield_whole(run: list[Fragment], complete: Callable[[Fragment], Fragment],
-                 out: list[Fragment]) -> list[Fragment]:
-    """The whole groups of a contiguous run of parts go to `out` (joined, completed); returns what
-    is left of the run (the parts of groups still incomplete)."""
-    g = run[0].group_size
-    lo, hi = run[0].first_sample, run[-1].first_sample + run[-1].num_samples
-    a, b = -(-lo // g) * g, hi // g * g  # the whole groups inside [lo, hi)
-    if a >= b:
-        return run
-    versions = {p.policy_version for p in run if p.first_sample < b and
-                p.first_sample + p.num_samples > a}
-    if len(versions) > 1:
-        raise AssertionError(f"a group of step {run[0].step} joined from parts of versions "
-                             f"{sorted(versions)}: every member of a group must use one version")
-    joined = concat_fragments(run)
-    out.append(complete(rows_of(joined, a, b)))
-    return [rows_of(joined, x, y) for x, y in ((lo, a), (b, hi)) if y > x]
 
 
 # --- batch -> fragments ----------------------------------------------------------------------

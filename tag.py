@@ -23,12 +23,19 @@ when generation is. tools/simulate.py runs the same predictor and cost of a spli
 
 By trajectories: a claim's trajectories, not its groups, are split over the K trainers (a group of
 8 is generated 2 per trainer by 4), each from its own seeds; advantages wait for the joined groups.
+With `part_groups` (--tag-part-groups) the leader may also claim part of a group: the predictor then
+decides in trajectories inside a step, the queue's next rollout claim is the rest of that group
+(gap.FragmentQueue), and the trainers join the parts before the group's advantages
+(gap.whole_groups). Never at a step boundary: a rollout rank may still generate ahead with the old
+weights there (TCSS), and a group's members must share one version.
 
-Departures from the paper: claims are whole groups (the unit of a fragment), not single samples;
-in-flight fragments are assumed half done (ranks do not report progress).
+Departures from the paper: claims are whole groups unless --tag-part-groups, and a part claim's
+rest goes to a rollout rank rather than being scheduled centrally; in-flight fragments are assumed
+half done (ranks do not report progress).
 
-Try it: `python3 tag.py` (alone, fake ranks: a TAG claim); in a run,
-`python main.py --placement disaggregated --gap --tsp --tag` (logs `tag_fragments` per step).
+Try it: `python3 tag.py` (alone, fake ranks: a claim of part of a group); in a run,
+`python main.py --placement disaggregated --gap --tsp --tag` (logs `tag_fragments` per step; add
+`--tag-part-groups --updates-per-batch 1` for part claims).
 Only the standard library and torch are imported: this file can be copied into another codebase.
 """
 from __future__ import annotations
@@ -38,7 +45,7 @@ import dataclasses
 import heapq
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 TAG_PRODUCER = -2  # Fragment.producer of a trainer-assisted fragment
 
@@ -308,6 +315,51 @@ def assisted_generation(lo: int, hi: int, trainers: int, me: int, generate: Call
         generate(lo, lo + 1)  # padding: the same denoising forwards as the others, unused
     owners = [r for r, (x, y) in enumerate(shares) if y > x]
     return join([share(mine if r == me else None, r) for r in owners])
+
+
+def whole_groups(fragments: Iterable, complete: Callable, join: Callable,
+                 cut: Callable) -> Iterator:
+    """The trainers' side of part claims: parts of groups joined back into whole groups, in any
+    arrival order. A whole fragment (with advantages) passes as it is; parts wait until their
+    group's G trajectories are all in, then the run of whole groups is yielded once, with
+    `complete` (the group advantages: they need the whole group). join(parts) concatenates
+    consecutive parts (gap.concat_fragments), cut(fragment, lo, hi) takes trajectories [lo, hi) of
+    the step (gap.rows_of). The members of a group must share one policy version (TCSS's
+    invariant)."""
+    waiting: list = []  # parts, sorted by first trajectory; never two overlapping
+    for fragment in fragments:
+        if fragment.is_whole and not fragment.advantages.isnan().any():
+            yield fragment
+            continue
+        waiting = sorted([*waiting, fragment], key=lambda f: f.first_sample)
+        run, kept = [], []
+        for part in waiting + [None]:  # contiguous runs of parts
+            if run and (part is None or part.first_sample != run[-1].first_sample
+                        + run[-1].num_samples):
+                kept.extend(_yield_whole(run, complete, join, cut, out := []))
+                yield from out
+                run = []
+            if part is not None:
+                run.append(part)
+        waiting = kept
+
+
+def _yield_whole(run: list, complete: Callable, join: Callable, cut: Callable, out: list) -> list:
+    """The whole groups of a contiguous run of parts go to `out` (joined, completed); returns what
+    is left of the run (the parts of groups still incomplete)."""
+    g = run[0].group_size
+    lo, hi = run[0].first_sample, run[-1].first_sample + run[-1].num_samples
+    a, b = -(-lo // g) * g, hi // g * g  # the whole groups inside [lo, hi)
+    if a >= b:
+        return run
+    versions = {p.policy_version for p in run if p.first_sample < b and
+                p.first_sample + p.num_samples > a}
+    if len(versions) > 1:
+        raise AssertionError(f"a group of step {run[0].step} joined from parts of versions "
+                             f"{sorted(versions)}: every member of a group must use one version")
+    joined = join(run)
+    out.append(complete(cut(joined, a, b)))
+    return [cut(joined, x, y) for x, y in ((lo, a), (b, hi)) if y > x]
 
 
 # --- python3 tag.py: the mechanism alone, on a scripted step --------------------------------------

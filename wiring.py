@@ -88,7 +88,8 @@ class TrainerFragments:
             functools.partial(self.wait, step, decide), self.share_command,
             functools.partial(self.receive_seq, step), self.share_fragment,
             functools.partial(self.assist, step))
-        return gap.whole_groups(fragments, self.complete)  # TAG by trajectories: parts joined
+        return tag.whole_groups(fragments, self.complete, gap.concat_fragments,
+                                gap.rows_of)  # TAG's part claims: parts joined into whole groups
 
     def arrived(self, step: int, seq: int) -> bool:
         return self.queue.poll(step, seq) is not None

@@ -1,5 +1,5 @@
 """TAG claims part of a group (--tag-part-groups, issue 25): the queue's compare-and-set claims in trajectories,
-and the trainers joining parts back into whole groups (gap.whole_groups). The whole run (a real part claim, a
+and the trainers joining parts back into whole groups (tag.whole_groups). The whole run (a real part claim, a
 rollout rank generating the rest, the update unchanged) is tests/test_placements.py's
 test_tag_claims_part_of_a_group_a_rollout_rank_the_rest_and_the_update_is_unchanged."""
 import datetime
@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import gap
+import tag
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -99,7 +100,7 @@ def test_parts_in_any_order_join_into_each_whole_group_once(seed):
     cuts = sorted(rng.sample(range(1, groups * g), 7))
     pieces = [(a, b) for a, b in zip([0, *cuts], [*cuts, groups * g])]
     rng.shuffle(pieces)
-    out = list(gap.whole_groups((_rows(a, b - a, g) for a, b in pieces), _complete))
+    out = list(tag.whole_groups((_rows(a, b - a, g) for a, b in pieces), _complete, gap.concat_fragments, gap.rows_of))
     assert all(f.is_whole for f in out)
     got = sorted((f.first_group + i, f.rewards[i * g:(i + 1) * g].tolist()) for f in out for i in range(f.num_groups))
     assert got == [(k, [float(k * g + j) for j in range(g)]) for k in range(groups)]  # each group once, in order
@@ -110,8 +111,11 @@ def test_parts_in_any_order_join_into_each_whole_group_once(seed):
 
 def test_whole_fragments_pass_as_they_are_and_a_group_of_two_versions_is_refused():
     whole = _complete(_rows(0, 6))
-    assert list(gap.whole_groups([whole], _complete))[0] is whole  # the rollout's fragments: untouched
+    assert list(tag.whole_groups([whole], *JOIN))[0] is whole  # the rollout's fragments: untouched
     with pytest.raises(AssertionError, match="versions"):
-        list(gap.whole_groups([_rows(6, 1, version=3), _rows(7, 2, version=4)], _complete))
-    left = list(gap.whole_groups([_rows(6, 1), _rows(10, 2)], _complete))  # no group complete: nothing yet
+        list(tag.whole_groups([_rows(6, 1, version=3), _rows(7, 2, version=4)], *JOIN))
+    left = list(tag.whole_groups([_rows(6, 1), _rows(10, 2)], *JOIN))  # no group complete: nothing yet
     assert left == []
+
+
+JOIN = (_complete, gap.concat_fragments, gap.rows_of)
