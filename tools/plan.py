@@ -160,7 +160,8 @@ def search(p: Problem, memory_cache: dict | None = None) -> tuple[list[Plan], di
         if plan is None:
             reason = admissible(p, c, memory_cache)[2]
             rejected[reason] = rejected.get(reason, 0) + 1
-    plans = sorted((x for x in seen.values() if x), key=lambda x: (x.report.step_s, x.candidate.rollout_ranks))
+    plans = sorted((x for x in seen.values() if x),  # ties: fewer rollout ranks, whole-group claims
+                   key=lambda x: (x.report.step_s, x.candidate.rollout_ranks, x.candidate.part_groups))
     return plans, rejected
 
 
