@@ -370,6 +370,9 @@ def test_the_assistant_hands_the_predictor_the_queues_counts_and_scripted_times(
         unclaimed=2 * G - 1, in_flight=0, waiting=2 * G, rollout_ranks=1, gen_rollout_s=1.0,
         gen_trainer_s=0.6 / G, train_s=0.02 / G, fragment_groups=2 * G, trainers=2, quantum=2, group_size=0)))
     assert claims[-1] == (3, 6 * G + 1, 2) and assistant.pending[3][-1] == (6 * G + 1, 6 * G + 3)
+    # at a step boundary never part of a group (a rollout rank may still generate ahead with the old version)
+    assistant.consider(4, 0, before_publish=True)
+    assert seen[-1].group_size == G and claims[-1][2] == 2 * G
 
 
 def test_loopback_data_plane_warning():
