@@ -204,6 +204,9 @@ def claim_of(lo: int, hi: int, group_size: int) -> Claim:
                                                           hi - first * group_size))
 
 
+_NEVER = "\x00never"  # a value no claim writes
+
+
 class FragmentQueue:
     """Atomic claims of trajectory ranges and ordered completion announcements, per step.
 
@@ -216,6 +219,7 @@ class FragmentQueue:
         self.group_size = group_size
         self.samples_per_step = groups_per_step * group_size
         self._token, self._claims = f"{id(self):x}.{time.time_ns():x}", 0
+        self._seen: dict[int, str] = {}  # step -> the counter's value this rank saw last
 
     def claim(self, step: int, num_groups: int) -> Claim | None:
         """The next `num_groups` unclaimed groups of `step` (fewer at the end): a Claim, or None.
@@ -231,22 +235,29 @@ class FragmentQueue:
 
     def _advance(self, step: int, end_of: Callable[[int], int]) -> Claim | None:
         """Move the counter from lo to end_of(lo) atomically (store compare_set; a unique value per
-        claim, so two claimers that read the same lo cannot both win)."""
-        key = f"claim/{step}"
+        claim, so two claimers that read the same lo cannot both win). One round trip when nobody
+        claimed since this rank last looked: a failed compare_set answers the current value."""
+        key, current = f"claim/{step}", self._seen.pop(step, "")
         while True:
-            current = self.store.get(key).decode() if self.store.check([key]) else ""
             lo = int(current.split()[0]) if current else 0
             if lo >= self.samples_per_step:
+                self._seen[step] = current
                 return None
             hi = min(end_of(lo), self.samples_per_step)
             self._claims += 1
             mine = f"{hi} {self._token}.{self._claims}"
-            if self.store.compare_set(key, current, mine).decode() == mine:
+            now = self.store.compare_set(key, current, mine).decode()
+            if now == mine:
+                self._seen = {k: v for k, v in self._seen.items() if k >= step - 2}  # bounded
+                self._seen[step] = mine
                 return claim_of(lo, hi, self.group_size)
+            current = "" if now == current else now  # answered our guess: the key is not there
 
     def num_claimed_samples(self, step: int) -> int:
-        key = f"claim/{step}"
-        return int(self.store.get(key).decode().split()[0]) if self.store.check([key]) else 0
+        """One round trip: a compare_set that never matches answers the value (or, for a missing
+        key, its own expected value)."""
+        now = self.store.compare_set(f"claim/{step}", _NEVER, _NEVER).decode()
+        return 0 if now == _NEVER else int(now.split()[0])
 
     def num_claimed(self, step: int) -> int:
         """Groups whose every trajectory is claimed."""
@@ -301,6 +312,7 @@ class FragmentQueue:
                 f"done_samples/{step}"] + [f"done/{step}/{s}" for s in announced]
         for key in keys:
             self.store.delete_key(key)
+        self._seen.pop(step, None)
 
 
 # --- the 1/(N T_train) weighting ------------------------------------------------------------------

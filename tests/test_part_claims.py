@@ -57,11 +57,12 @@ def test_claims_racing_on_a_real_tcpstore_never_overlap_and_cover_the_batch():
         except Exception as error:  # noqa: BLE001  (reported to the main thread)
             errors.append(repr(error))
 
-    threads = [threading.Thread(target=claimer, args=(k,)) for k in range(4)]
+    threads = [threading.Thread(target=claimer, args=(k,), daemon=True) for k in range(4)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=60)
+        t.join(timeout=30)  # about 0.2 s here; a claim that never succeeds spins (daemon: the test ends)
+    assert not any(t.is_alive() for t in threads), "a claimer is stuck (a claim that can never succeed)"
     assert not errors, errors
     for step in range(steps):
         covered = sorted(t for s, lo, hi in taken if s == step for t in range(lo, hi))
