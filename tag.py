@@ -26,8 +26,8 @@ By trajectories: a claim's trajectories, not its groups, are split over the K tr
 With `part_groups` (--tag-part-groups) the leader may also claim part of a group: the predictor then
 decides in trajectories inside a step, the queue's next rollout claim is the rest of that group
 (gap.FragmentQueue), and the trainers join the parts before the group's advantages
-(gap.whole_groups). Never at a step boundary: a rollout rank may still generate ahead with the old
-weights there (TCSS), and a group's members must share one version.
+(whole_groups, below). Never at a step boundary: a rollout rank may still generate ahead with the
+old weights there (TCSS), and a group's members must share one version.
 
 Departures from the paper: claims are whole groups unless --tag-part-groups, and a part claim's
 rest goes to a rollout rank rather than being scheduled centrally; in-flight fragments are assumed
