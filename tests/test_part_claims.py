@@ -32,12 +32,12 @@ def test_a_rollout_claim_after_a_part_claim_is_the_rest_of_the_group():
 
 
 def test_claims_racing_on_a_real_tcpstore_never_overlap_and_cover_the_batch():
-    """Four claimers (three rollout ranks, one TAG leader) on their own TCPStore clients race for 5 steps: every
+    """Six claimers (five rollout ranks, one TAG leader) on their own TCPStore clients race for 20 steps: every
     trajectory is claimed exactly once, every rollout claim ends on a group boundary and holds at most its
     fragment's trajectories. Catches claims that read the counter and write it back non-atomically (an add
     after a get, a compare-and-set whose value two claimers can both write)."""
     server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
-    groups, g, steps = 40, 3, 5
+    groups, g, steps = 40, 3, 20
     taken, errors = [], []
 
     def claimer(kind: int) -> None:
@@ -57,7 +57,7 @@ def test_claims_racing_on_a_real_tcpstore_never_overlap_and_cover_the_batch():
         except Exception as error:  # noqa: BLE001  (reported to the main thread)
             errors.append(repr(error))
 
-    threads = [threading.Thread(target=claimer, args=(k,), daemon=True) for k in range(4)]
+    threads = [threading.Thread(target=claimer, args=(k,), daemon=True) for k in range(6)]
     for t in threads:
         t.start()
     for t in threads:
