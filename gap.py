@@ -259,10 +259,6 @@ class FragmentQueue:
         now = self.store.compare_set(f"claim/{step}", _NEVER, _NEVER).decode()
         return 0 if now == _NEVER else int(now.split()[0])
 
-    def num_claimed(self, step: int) -> int:
-        """Groups whose every trajectory is claimed."""
-        return self.num_claimed_samples(step) // self.group_size
-
     def announce(self, step: int, first_group: int, num_groups: int, producer: int,
                  destination_of: Callable[[int], int] | None = None,
                  samples: int | None = None) -> tuple[int, int]:
@@ -280,9 +276,6 @@ class FragmentQueue:
 
     def num_announced_samples(self, step: int) -> int:
         return self.store.add(f"done_samples/{step}", 0)
-
-    def num_announced_groups(self, step: int) -> int:
-        return self.num_announced_samples(step) // self.group_size
 
     def poll(self, step: int, seq: int) -> Announcement | None:
         key = f"done/{step}/{seq}"

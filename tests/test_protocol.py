@@ -174,10 +174,10 @@ def test_generate_ahead_stops_at_the_budget_at_new_weights_and_after_the_last_st
 def test_claims_are_contiguous_group_ranges_cut_at_the_batch_end():
     queue = gap.FragmentQueue(dist.HashStore(), groups_per_step=7)
     assert [queue.claim(0, 3) for _ in range(4)] == [(0, 3), (3, 3), (6, 1), None]
-    assert queue.num_claimed(0) == 7
-    assert queue.claim(1, 2) == (0, 2) and queue.claim(1, 1) == (2, 1) and queue.num_claimed(1) == 3
+    assert queue.num_claimed_samples(0) == 7  # group size 1: trajectories are groups
+    assert queue.claim(1, 2) == (0, 2) and queue.claim(1, 1) == (2, 1) and queue.num_claimed_samples(1) == 3
     seq, dst = queue.announce(1, 0, 2, producer=4, destination_of=lambda s: 10 + s)
-    assert (seq, dst) == (0, 10) and queue.num_announced_groups(1) == 2
+    assert (seq, dst) == (0, 10) and queue.num_announced_samples(1) == 2
     assert queue.poll(1, 0) == gap.Announcement(4, 0, 2, 10) and queue.poll(1, 1) is None
     queue.forget(1)
     assert queue.claim(1, 2) == (0, 2)  # forgotten: the step starts from scratch
