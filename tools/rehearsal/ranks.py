@@ -1,0 +1,440 @@
+"""Running main.run_rank for the rehearsed ranks, each a thread of this process.
+
+What a rank runs is the program's own code: main.run_rank, its rollout_rank / trainer_rank, the
+mechanisms' loops, bookkeeping's evaluation, checkpoint, resume, tcss.Publisher's publish and
+transport's bytes. What the rehearsal puts in its place, each at the seam where a real run meets
+hardware or the outside:
+- runtime.device_of: the stand-in GPU "gpu:N" (fake_gpu.py), bf16 as on CUDA;
+- runtime.connect: an in-process store (HashStore), the process groups of groups.py, no liveness
+  watchdog (the rehearsal watches for a deadlock itself), no signal handling;
+- models.load: the released pipeline without weights (pipeline.py); runtime.load_policy's result is
+  moved onto the stand-in GPU after LoRA / full training / checkpointing are applied;
+- rewards.build_reward: a reward of the prompts (values real, no reward model);
+- the checkpoint's torch.save / torch.load and the LoRA file: kept in memory (`Disk`), what a save
+  writes is counted; the evaluation's image grids are not drawn (fake images have no pixels);
+- TAG's decision (tag.Assistant.consider): scripted, one group inside step 0 when every trainer
+  is rehearsed, none otherwise (its predictor reads wall-clock times, which mean nothing here);
+- the queue's and TAG's poll intervals: 50 ms (a 1 ms busy poll in three threads on 2 CPUs slows
+  the ranks it waits for).
+Threads a rank starts (the weight mailbox, the fragment sender) join its context: its world, its
+FakeTensorMode, its holdings.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+import os
+import threading
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils import _pytree as pytree
+
+from tools.rehearsal import fake_gpu, groups, pipeline, replay, tensors
+
+_local = threading.local()
+
+
+@dataclasses.dataclass
+class Job:
+    """One rehearsed job (the run, then its resume): what its ranks share."""
+
+    cfg: object  # config.Config
+    world: int
+    positions: list[groups.Position]
+    exchange: groups.Exchange
+    store: dist.Store
+    disk: "Disk"
+    depth: float = 1.0
+    replay: bool = True
+    tag_claims: bool = False  # every trainer rehearsed: TAG may claim (scripted)
+    tag_claimed: bool = False
+
+
+@dataclasses.dataclass
+class RankContext:
+    job: Job
+    position: groups.Position
+    holdings: tensors.Holdings
+    mode: tensors.RealSmallMode
+    replay: replay.Replay
+    main_thread: int
+    world: object = None  # the thread's torch.distributed world, shared with its threads
+    error: str | None = None
+    result: object = None
+
+
+def context() -> RankContext | None:
+    return getattr(_local, "ctx", None)
+
+
+class Disk:
+    """What the rehearsed jobs "write": a checkpoint's state (fake tensors as their shapes, real
+    values as they are) by path, and the bytes each write would take."""
+
+    def __init__(self):
+        self.files: dict[str, object] = {}
+        self.written: collections.Counter = collections.Counter()  # rank -> bytes
+
+    @staticmethod
+    def key(path) -> str:
+        return str(path).replace(".partial", "")
+
+    def save(self, obj, path) -> None:
+        def shape(v):
+            return _Saved(tuple(v.shape), v.dtype) if isinstance(v, FakeTensor) else v
+        self.files[self.key(path)] = pytree.tree_map(shape, obj)
+        ctx = context()
+        nbytes = sum(t.numel() * t.element_size() for t in pytree.tree_leaves(obj)
+                     if isinstance(t, torch.Tensor))
+        self.written[ctx.position.rank if ctx else -1] += nbytes
+        with open(path, "wb") as f:  # the file must exist (fsync, rename, listing)
+            f.write(b"rehearsal placeholder")
+
+    def load(self, path):
+        """Memory-mapped as rundir.load_state asks: file-backed pages are no anonymous memory, so
+        the tensors are not counted until the rank copies them."""
+        ctx = context()
+        with ctx.holdings.apart() if ctx else contextlib.nullcontext():
+            return pytree.tree_map(lambda v: torch.empty(v.shape, dtype=v.dtype)
+                                   if isinstance(v, _Saved) else v, self.files[self.key(path)])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Saved:
+    """A fake tensor in a saved checkpoint: its shape and dtype."""
+
+    shape: tuple
+    dtype: torch.dtype
+
+
+# --- the seams ------------------------------------------------------------------------------------
+def _device_of(cfg, local_rank: int):
+    """Every rank on stand-in device 0 (each is a thread with tensors of its own; autograd's engine
+    knows one stand-in device)."""
+    dtype = torch.float32 if cfg.dtype == "float32" else torch.bfloat16
+    return f"{fake_gpu.NAME}:0", dtype
+
+
+class _NoWatch:
+    """runtime.shutdown's watchdog calls (the rehearsal watches for a deadlock itself)."""
+
+    def finishing(self):
+        pass
+
+    def stop(self):
+        pass
+
+    def name_the_dead(self, error):
+        pass
+
+
+class _NoPreemption:
+    """No signal handling in a thread; a SIGTERM stop is not rehearsed."""
+
+    def stop_asked(self) -> bool:
+        return False
+
+    def finish(self, leader: bool) -> None:
+        pass
+
+    def absorb(self, error) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _connect(cfg, rank, world, local_rank, master, agent_store, report_silent, device, roles):
+    from infra import runtime
+    from infra.progress import Progress
+
+    ctx = context()
+    dist.init_process_group(groups.WORLD, store=dist.PrefixStore("pg", ctx.job.store), rank=rank,
+                            world_size=world)
+    ctx.world = groups.thread_world()
+    progress = Progress()
+    progress.main_ident = threading.get_ident()
+    return runtime.Job(ctx.job.store, _NoWatch(), progress, _NoPreemption())
+
+
+def _load(name, path, device="cpu", dtype=torch.float32, height=None, width=None, frames=None,
+          max_sequence_length=512, guidance=None, prompt_cache_size=64):
+    import models
+
+    ctx = context()
+    family = models.get_family(name)
+    transformer = pipeline.build_transformer(name, ctx.job.depth)
+    vae = pipeline.build_vae(name)
+    with ctx.mode:  # (load_policy runs outside it, on the meta device)
+        pipeline.to_device(vae, device)
+        pipe = pipeline.stub_pipe(name, transformer, vae, device, dtype)
+        return models.Policy(family, pipe, device, dtype, height or family.tiny_resolution,
+                             width or height or family.tiny_resolution,
+                             frames or family.tiny_frames, max_sequence_length, guidance,
+                             prompt_cache_size)
+
+
+def _load_policy(original, cfg, device, dtype, groups_, progress):
+    """runtime.load_policy on the meta device (peft puts its adapters beside the base weights),
+    then every weight onto the stand-in GPU."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    ctx = context()
+    with ctx.holdings.opened("load"):
+        with _disable_current_modes(), torch.device("meta"):
+            policy = original(cfg, device, dtype, groups_, progress)
+        pipeline.to_device(policy.transformer, device)
+    return policy
+
+
+def _reward(spec, options=None, probe=None):
+    """A reward of the prompts only: real values, varied within a group, no model."""
+    from rewards.checked import CombinedReward
+
+    def rehearsal(images, prompts):
+        n = images.shape[0]  # [B, ...]: fake images have shapes
+        base = torch.tensor([(sum(map(ord, p)) % 97) / 97.0 for p in prompts])  # [B]
+        return base + torch.linspace(0.0, 1.0, n)
+    return CombinedReward({"rehearsal": rehearsal}, {"rehearsal": 1.0})
+
+
+def _consider(self, step, samples_done, before_publish=False):
+    """TAG's decision, scripted: one group of step 0, claimed inside the step, when every trainer
+    is rehearsed (a share generated by a stand-in trainer would be data no rehearsed rank has)."""
+    job = context().job
+    if not job.tag_claims or job.tag_claimed or before_publish or step != 0:
+        return False
+    g = max(self.group_size, 1)
+    claimed = self.claim(step, g)
+    if claimed is None:
+        return False
+    job.tag_claimed = True
+    first, count, *_ = claimed
+    self.pending[step].append((first * g, (first + count) * g))
+    self.taken[step] += count * g
+    return True
+
+
+COLLECTIVES = ("all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
+               "reduce_scatter_tensor", "all_reduce", "broadcast", "all_gather", "barrier")
+
+
+def _recording(name, original):
+    """dist.<collective>: compute-plane calls recorded and checked (groups.record_compute)."""
+    def call(*args, **kwargs):
+        ctx = context()
+        group = kwargs.get("group")
+        if ctx is not None and group is not None and dist.get_backend(group) == groups.COMPUTE:
+            tensors_ = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            tensors_ += [t for a in args if isinstance(a, list) for t in a
+                         if isinstance(t, torch.Tensor)]
+            groups.record_compute(ctx.job.exchange, ctx.position.rank, ctx.main_thread, name,
+                                  tensors_)
+        return original(*args, **kwargs)
+    return call
+
+
+def _plain(original):
+    """dist.*_object: pickled objects as real byte tensors (under the rank's FakeTensorMode torch
+    makes their storage meta): the rehearsal's mode stays out of them."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def call(*args, **kwargs):
+        with _disable_current_modes():
+            return original(*args, **kwargs)
+    return call
+
+
+def _functional_collective(func, args) -> None:
+    """_c10d_functional ops (DTensor's full_tensor, its norms): the compute plane."""
+    ctx = context()
+    if ctx is not None and func.namespace == "_c10d_functional" and "wait" not in func.__name__:
+        groups.record_compute(ctx.job.exchange, ctx.position.rank, ctx.main_thread,
+                              func.__name__, [a for a in args if isinstance(a, torch.Tensor)])
+
+
+def _inside_enter(original, self):
+    out = original(self)
+    ctx = context()
+    if ctx is not None:
+        ctx.holdings.open(self.name)
+    return out
+
+
+def _inside_exit(original, self, *exc):
+    ctx = context()
+    if ctx is not None:
+        ctx.holdings.close(self.name)
+    return original(self, *exc)
+
+
+def _thread_start(original, self):
+    """A thread a rank starts shares its context, world and FakeTensorMode."""
+    ctx = context()
+    if ctx is not None and not getattr(self, "_rehearsal_joined", False):
+        run = self.run
+
+        def run_in_context():
+            _local.ctx = ctx
+            groups.set_thread_world(ctx.world)
+            with ctx.mode, ctx.holdings.opened(f"thread {self.name}"):
+                run()
+        self.run, self._rehearsal_joined = run_in_context, True
+    return original(self)
+
+
+_installed: list = []
+
+
+def install() -> None:
+    """The seams above, once per process (they act only on threads with a rank context)."""
+    if _installed:
+        return
+    import gap
+    import models
+    import rewards
+    import tag
+    from infra import evaluation, progress, rundir, runtime
+    from trainer import Trainer
+
+    fake_gpu.install()
+    runtime.device_of, runtime.connect = _device_of, _connect
+    runtime.name_process = lambda name: None  # a thread would rename the whole process
+    runtime.load_policy = functools.partial(_load_policy, runtime.load_policy)
+    models.load, rewards.build_reward = _load, _reward
+    evaluation.save_panels = lambda *args, **kwargs: None  # fake images have no pixels to draw
+    tag.Assistant.consider = _consider
+    _patch_init(gap.FragmentQueue, poll_s=0.05)
+    _patch_init(tag.Assistant, poll_s=0.05)
+    _patch_io(rundir)
+    import main
+    from infra import bookkeeping
+    main.shard_for_fsdp = _in_phase("shard", main.shard_for_fsdp)
+    bookkeeping.resume = _in_phase("resume", bookkeeping.resume)
+    runtime.shutdown = _in_phase("shutdown", runtime.shutdown)
+    for name in COLLECTIVES:
+        setattr(dist, name, _recording(name, getattr(dist, name)))
+    for name in ("all_gather_object", "gather_object", "broadcast_object_list"):
+        setattr(dist, name, _plain(getattr(dist, name)))
+    enter, exit_ = progress._Inside.__enter__, progress._Inside.__exit__
+    progress._Inside.__enter__ = lambda self: _inside_enter(enter, self)
+    progress._Inside.__exit__ = lambda self, *exc: _inside_exit(exit_, self, *exc)
+    start = threading.Thread.start
+    threading.Thread.start = lambda self: _thread_start(start, self)
+    replay.install(models.FAMILIES.values(), Trainer,
+                   lambda: context().replay if context() is not None else None)
+    _installed.append(True)
+
+
+def _in_phase(name: str, original):
+    """A part of a rank's life with no tracing span of its own, as a phase of the report."""
+    def call(*args, **kwargs):
+        ctx = context()
+        with ctx.holdings.opened(name) if ctx is not None else contextlib.nullcontext():
+            return original(*args, **kwargs)
+    return call
+
+
+def _patch_init(cls, **values) -> None:
+    original = cls.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        for name, value in values.items():
+            setattr(self, name, value)
+    cls.__init__ = init
+
+
+def _patch_io(rundir) -> None:
+    original_save, original_load = torch.save, torch.load
+
+    def save(obj, f, *args, **kwargs):
+        ctx = context()
+        if ctx is not None and any(isinstance(t, FakeTensor) for t in pytree.tree_leaves(obj)):
+            return ctx.job.disk.save(obj, f)
+        return original_save(obj, f, *args, **kwargs)
+
+    def load(f, *args, **kwargs):
+        ctx = context()
+        if ctx is not None and Disk.key(f) in ctx.job.disk.files:
+            return ctx.job.disk.load(f)
+        return original_load(f, *args, **kwargs)
+    torch.save, torch.load = save, load
+    checkpoint = rundir.RunDir.save_checkpoint
+
+    def save_checkpoint(self, step, state, lora_layers, pipeline_class, lora_metadata=None):
+        return checkpoint(self, step, state, lora_layers, _LoraFile, lora_metadata)
+    rundir.RunDir.save_checkpoint = save_checkpoint
+
+
+class _LoraFile:
+    """The pipeline class's save_lora_weights for a rehearsal: the file's bytes counted."""
+
+    @staticmethod
+    def save_lora_weights(path, transformer_lora_layers=None, **kwargs):
+        ctx = context()
+        nbytes = sum(t.numel() * t.element_size() for t in (transformer_lora_layers or {}).values())
+        ctx.job.disk.written[ctx.position.rank] += nbytes
+        with open(os.path.join(path, "pytorch_lora_weights.safetensors"), "wb") as f:
+            f.write(b"rehearsal placeholder")
+
+
+# --- one rank -------------------------------------------------------------------------------------
+def run(job: Job, position: groups.Position) -> RankContext:
+    """main.run_rank for `position`, in this thread (the caller starts one thread per position)."""
+    import dataclasses as dc
+
+    import main
+
+    holdings = tensors.Holdings(f"rank {position.rank}")
+    mode = tensors.RealSmallMode(holdings)
+    mode.on_collective = _functional_collective
+    mode.on_activity = job.exchange.moved
+    ctx = RankContext(job, position, holdings, mode,
+                      replay.Replay(holdings, job.exchange.compute_log[position.rank], job.replay),
+                      threading.get_ident())
+    _local.ctx = ctx
+    try:
+        with mode:
+            ctx.result = main.run_rank(dc.asdict(job.cfg), position.rank, job.world,
+                                       position.rank % 8, ("rehearsal", 0), agent_store=False)
+    except BaseException as error:  # noqa: BLE001  (reported as the rehearsal's finding)
+        ctx.error = "".join(traceback.format_exception(error))
+        job.exchange.fail(error)
+    return ctx
+
+
+def run_job(job: Job, stall_s: float = groups.STALL_S) -> dict[int, RankContext]:
+    """Every position of `job` in a thread of its own; returns their contexts once all ended (or
+    one failed, or none moved for `stall_s` while waiting: a deadlock, each thread's stack kept)."""
+    results: dict[int, RankContext] = {}
+    job.exchange.phase_of = lambda: context().holdings.innermost() if context() else "outside"
+
+    def body(position):
+        results[position.rank] = run(job, position)
+
+    threads = [threading.Thread(target=body, args=(p,), name=f"rank{p.rank}", daemon=True)
+               for p in job.positions]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        time.sleep(1.0)
+        if job.exchange.failed is not None:
+            break
+        if time.monotonic() - job.exchange.last_move > stall_s:
+            stacks = {t.name: "".join(traceback.format_stack(
+                __import__("sys")._current_frames()[t.ident])) for t in threads if t.is_alive()}
+            job.exchange.fail(groups.RehearsalError(
+                f"no rehearsed rank moved for {stall_s:.0f} s: a deadlock. Waiting: "
+                f"{dict(job.exchange.waiting)}\n" + "\n".join(f"--- {n}\n{s}"
+                                                            for n, s in stacks.items())))
+            break
+    for t in threads:
+        t.join(timeout=5.0 if job.exchange.failed is not None else None)
+    return results

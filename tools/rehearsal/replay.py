@@ -1,0 +1,170 @@
+"""Replaying repeated calls: what makes a real-size rehearsal take minutes, not hours.
+
+A FakeTensorMode op costs about a millisecond of Python on these CPUs, so one forward of a 12-20B
+transformer is 10-20 s and one training pack 30-40 s; a step runs hundreds of them. Their memory does
+not depend on the values: two calls with the same inputs (shapes, dtypes, devices), grad mode and
+module state allocate and free the same bytes. So the first call of each kind runs for real and is
+measured (the highest bytes held above what was held when it began: its transient; what it leaves
+behind: its output), and a later call of the same kind is replayed: its output is a new fake tensor
+of the recorded shape, the rank's peak is raised by the recorded transient on top of what it holds
+now, and the compute-plane collectives it ran are recorded again. Replayed: a transformer forward
+without gradients (sampling, evaluation, TAG generation, update_kl's probe), a VAE decode, and a
+training pack (Trainer.train_pack: forward, loss, backward) once the gradients it accumulates into
+exist (the first pack after each optimizer update allocates them: it runs). `--no-replay` runs
+every call (tests/test_rehearse.py checks that both give the same figures).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+
+import torch
+from torch.utils import _pytree as pytree
+
+
+@dataclasses.dataclass
+class Recorded:
+    transient: dict[str, int]  # bytes above the holdings at the call's start, by kind
+    outputs: object  # pytree of (shape, dtype, device) or plain values
+    compute: list  # the compute-plane collectives the call ran
+    extra: dict = dataclasses.field(default_factory=dict)
+
+
+def _meta(value):
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype, str(value.device), value.requires_grad)
+    return value
+
+
+def signature(*values) -> tuple:
+    """The call's kind: every tensor's shape, dtype and device; other values as they are."""
+    leaves, spec = pytree.tree_flatten(values)
+    return (str(spec), tuple(_meta(v) if isinstance(v, torch.Tensor) else
+                             (v if isinstance(v, (int, float, bool, str, type(None), torch.dtype))
+                              else type(v).__name__) for v in leaves))
+
+
+class Replay:
+    """One rank's record of measured calls, and the counts of every call (for the time model)."""
+
+    def __init__(self, holdings, compute_log: list, enabled: bool = True):
+        self.holdings, self.compute_log, self.enabled = holdings, compute_log, enabled
+        self.recorded: dict[tuple, Recorded] = {}
+        # (phase, what, detail) -> calls: what the time model reads (timing.py)
+        self.calls: collections.Counter = collections.Counter()
+        self.replayed: collections.Counter = collections.Counter()
+        self.local = threading.local()
+
+    def count(self, what: str, detail) -> None:
+        self.calls[(self.holdings.innermost(), what, detail)] += 1
+
+    def run(self, what: str, key: tuple, detail, call, rebuild=None):
+        """call() measured the first time `key` is seen, replayed after (rebuild(recorded) makes
+        the outputs; default: new fake tensors of the recorded shapes)."""
+        self.count(what, detail)
+        if getattr(self.local, "inside", False):  # a call inside a measured call: part of it
+            return call()
+        found = self.recorded.get(key) if self.enabled else None
+        if found is not None:
+            self.replayed[(what, detail)] += 1
+            self.holdings.bump(found.transient)
+            self.compute_log.extend(found.compute)
+            return rebuild(found) if rebuild is not None else _fresh(found.outputs)
+        start, log_start = dict(self.holdings.live), len(self.compute_log)
+        self.local.inside = True
+        try:
+            with self.holdings.watermark() as high:
+                out = call()
+        finally:
+            self.local.inside = False
+        transient = {k: max(high[k] - start[k], 0) for k in start}
+        self.recorded[key] = Recorded(transient, pytree.tree_map(_meta, out),
+                                      list(self.compute_log[log_start:]))
+        return out
+
+
+def _fresh(outputs):
+    def make(value):
+        if isinstance(value, tuple) and value and value[0] == "tensor":
+            _, shape, dtype, device, requires_grad = value
+            return torch.empty(shape, dtype=dtype, device=device, requires_grad=requires_grad)
+        return value
+    return pytree.tree_map(make, outputs, is_leaf=lambda v: isinstance(v, tuple) and v
+                           and v[0] == "tensor")
+
+
+def transformer_state(transformer) -> tuple:
+    """What about a transformer changes a forward's memory besides its inputs: which module it is,
+    adapters on or off (the LoRA reference), gradient checkpointing, training mode."""
+    lora = next((m for m in transformer.modules() if hasattr(m, "disable_adapters")), None)
+    return (id(transformer), bool(lora.disable_adapters) if lora is not None else None,
+            bool(getattr(transformer, "gradient_checkpointing", False)), transformer.training)
+
+
+def install(families, trainer_cls, replay_of) -> None:
+    """Wrap every family's forward and decode, and Trainer.train_pack: `replay_of()` is the calling
+    rank's Replay (None outside a rehearsed rank)."""
+    for family in families:
+        _wrap_forward(family, replay_of)
+        _wrap_decode(family, replay_of)
+    _wrap_train_pack(trainer_cls, replay_of)
+
+
+def _wrap_forward(family, replay_of) -> None:
+    original = family.forward
+
+    def forward(pipe, transformer, latents, sigma, cond, guidance, negative_cond=None):
+        replay = replay_of()
+        def call():
+            return original(pipe, transformer, latents, sigma, cond, guidance, negative_cond)
+        if replay is None:
+            return call()
+        grad = torch.is_grad_enabled()
+        detail = ("forward", tuple(latents.shape), grad, negative_cond is not None)
+        if grad:  # inside a training pack (replayed as a whole) or FSDP-gathered: measured each time
+            replay.count("forward", detail)
+            return call()
+        key = ("forward", transformer_state(transformer), torch.is_autocast_enabled(
+            latents.device.type), signature(latents, sigma, cond, guidance, negative_cond))
+        return replay.run("forward", key, detail, call)
+    family.forward = forward
+
+
+def _wrap_decode(family, replay_of) -> None:
+    original = family.decode
+
+    def decode(pipe, latents, height, width, frames):
+        replay = replay_of()
+        if replay is None:
+            return original(pipe, latents, height, width, frames)
+        key = ("decode", signature(latents, height, width, frames))
+        with replay.holdings.opened("decode"):
+            return replay.run("decode", key, ("decode", tuple(latents.shape)),
+                              lambda: original(pipe, latents, height, width, frames))
+    family.decode = decode
+
+
+def _wrap_train_pack(trainer_cls, replay_of) -> None:
+    original = trainer_cls.train_pack
+
+    def train_pack(self, batch, mask, kinds, total_pairs):
+        replay = replay_of()
+        if replay is None:
+            return original(self, batch, mask, kinds, total_pairs)
+        grads = all(p.grad is not None for p in self.params)  # else this pack allocates them
+        key = ("pack", id(self), grads, len(mask), signature(batch))
+        detail = ("pack", len(mask), int(sum(mask)))
+
+        def rebuild(found):
+            p = len(mask)
+            logp = torch.empty(p, dtype=torch.float32, device=self.policy.device)
+            mask_t = torch.tensor(mask, dtype=torch.float32, device=self.policy.device)
+            self.probe = (batch, logp, mask_t)
+            self._bump()
+            real = float(sum(mask))
+            if real:
+                self.metrics.add("pairs", real)
+        return replay.run("pack", key if grads else key + (object(),), detail,
+                          lambda: original(self, batch, mask, kinds, total_pairs), rebuild)
+    trainer_cls.train_pack = train_pack
