@@ -14,6 +14,12 @@ with streams. What differs from CUDA, and how the rehearsal makes up for it:
   "promote" list) is registered for the stand-in device below. Its weight cache (bf16 copies of
   fp32 leaf weights kept for the autocast region) is not: each use casts again, and the cast a
   matmul saves for backward lives as long as on CUDA.
+- Attention: torch picks an SDPA kernel per device type in C++, and for a device it does not know
+  the math path, which holds the whole [S, S] score matrix (a 1024 px FLUX fragment: tens of GiB
+  per layer). On the stand-in device F.scaled_dot_product_attention calls the kernel CUDA would
+  pick (`sdp_choice`; cuDNN attention is off: runtime.device_of): flash attention for fp16 / bf16
+  without a mask and head dim <= 256, else memory-efficient attention; both keep O(S) memory, and
+  their fake (meta) kernels give the outputs and the log-sum-exp their backward keeps.
 - torch's fused AdamW takes only CPU and CUDA tensors, so trainer.fused_adamw_ok says foreach here;
   the memory of the update is the same as fused on CUDA once DTensor's sharding propagation is not
   counted (memory.py).
@@ -152,7 +158,37 @@ def install() -> None:
 
         _setup_privateuseone_for_python_backend(NAME, backend_module=_Module)
         _register_autocast()
+        F = torch.nn.functional
+        F.scaled_dot_product_attention = _attention(F.scaled_dot_product_attention)
         _done.append(True)
+
+
+def sdp_choice(query: torch.Tensor, attn_mask) -> int:
+    """The SDPA backend CUDA would choose for these inputs (torch._C._SDPBackend values)."""
+    flash = (query.dtype in (torch.float16, torch.bfloat16) and attn_mask is None
+             and query.shape[-1] <= 256)
+    return int(torch._C._SDPBackend.FLASH_ATTENTION if flash
+               else torch._C._SDPBackend.EFFICIENT_ATTENTION)
+
+
+def _attention(original):
+    flash, efficient = (torch.ops.aten._scaled_dot_product_flash_attention.default,
+                        torch.ops.aten._scaled_dot_product_efficient_attention.default)
+
+    def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0,
+                                     is_causal=False, scale=None, enable_gqa=False):
+        if query.device.type != NAME or enable_gqa:
+            return original(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+        if torch.is_autocast_enabled("privateuseone"):  # the kernels' inputs in the autocast dtype
+            dtype = torch.get_autocast_dtype("privateuseone")
+            query, key, value = (t.to(dtype) for t in (query, key, value))
+        if sdp_choice(query, attn_mask) == int(torch._C._SDPBackend.FLASH_ATTENTION):
+            return flash(query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        return efficient(query, key, value, attn_mask, grad, dropout_p, is_causal,
+                         scale=scale)[0]
+    return scaled_dot_product_attention
 
 
 def _on_device(t) -> bool:

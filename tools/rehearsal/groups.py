@@ -83,7 +83,7 @@ class Exchange:
         self.last_move = time.monotonic()
 
     def _wait(self, ready, what: str):
-        """Wait (cond held) until ready() is true: no deadline while anyone moves; raise on failure."""
+        """Wait (cond held) until ready(): no deadline while anyone moves; raise on failure."""
         me = threading.get_ident()
         self.waiting[me] = what
         try:
@@ -95,9 +95,9 @@ class Exchange:
         finally:
             self.waiting.pop(me, None)
 
-    # --- collectives among the rehearsed members of a group ----------------------------------------
+    # --- collectives among the rehearsed members of a group ------------------------------------
     def meet(self, group: "DataGroup", contribution) -> dict[int, object]:
-        """Every rehearsed member's contribution to this call (the n-th call on the group of each)."""
+        """Every rehearsed member's contribution to this call (each one's n-th on the group)."""
         key = (group.key, group.global_rank)
         live = group.live_members
         with self.cond:
@@ -171,8 +171,8 @@ class DataGroup(dist.ProcessGroup):
         for t in tensors:
             if t.device.type != "cpu":
                 raise RehearsalError(
-                    f"comm.py rule 1 broken: a {t.device.type} tensor {tuple(t.shape)} in {what} on "
-                    f"the data-plane group {self.name} (gloo, CPU tensors only)")
+                    f"comm.py rule 1 broken: a {t.device.type} tensor {tuple(t.shape)} in {what} "
+                    f"on the data-plane group {self.name} (gloo, CPU tensors only)")
 
     def _stands_for(self, rank: int) -> int:
         """The rehearsed rank whose contribution rank `rank` makes (itself if rehearsed)."""

@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import sys
 import threading
 import time
 import traceback
@@ -54,6 +55,8 @@ class Job:
     replay: bool = True
     tag_claims: bool = False  # every trainer rehearsed: TAG may claim (scripted)
     tag_claimed: bool = False
+    bf16_adapters: bool = False  # only to compare with a profile measured so (rehearse.py)
+    verbose: bool = True  # a line per phase a rank enters (generate, train, eval, ...)
 
 
 @dataclasses.dataclass
@@ -189,6 +192,10 @@ def _load_policy(original, cfg, device, dtype, groups_, progress):
     with ctx.holdings.opened("load"):
         with _disable_current_modes(), torch.device("meta"):
             policy = original(cfg, device, dtype, groups_, progress)
+            if ctx.job.bf16_adapters and cfg.lora:
+                for p in policy.transformer.parameters():
+                    if p.requires_grad:
+                        p.data = p.data.to(torch.bfloat16)
         pipeline.to_device(policy.transformer, device)
     return policy
 
@@ -259,11 +266,18 @@ def _functional_collective(func, args) -> None:
                               func.__name__, [a for a in args if isinstance(a, torch.Tensor)])
 
 
+SHOWN = {"generate", "tag", "train", "eval", "checkpoint", "publish", "optimizer"}
+
+
 def _inside_enter(original, self):
     out = original(self)
     ctx = context()
     if ctx is not None:
         ctx.holdings.open(self.name)
+        if self.name in SHOWN and ctx.job.verbose:  # the rehearsal moves: say where
+            print(f"[rehearse] {time.strftime('%H:%M:%S')} rank {ctx.position.rank} "
+                  f"({ctx.position.role}): {self.name} (step {self.step})", file=sys.stderr,
+                  flush=True)
     return out
 
 
@@ -296,6 +310,7 @@ def install() -> None:
     """The seams above, once per process (they act only on threads with a rank context)."""
     if _installed:
         return
+    fake_gpu.install()  # first: F.scaled_dot_product_attention is looked up at each call, but early
     import gap
     import models
     import rewards
@@ -303,7 +318,6 @@ def install() -> None:
     from infra import evaluation, progress, rundir, runtime
     from trainer import Trainer
 
-    fake_gpu.install()
     runtime.device_of, runtime.connect = _device_of, _connect
     runtime.name_process = lambda name: None  # a thread would rename the whole process
     runtime.load_policy = functools.partial(_load_policy, runtime.load_policy)
@@ -429,7 +443,7 @@ def run_job(job: Job, stall_s: float = groups.STALL_S) -> dict[int, RankContext]
             break
         if time.monotonic() - job.exchange.last_move > stall_s:
             stacks = {t.name: "".join(traceback.format_stack(
-                __import__("sys")._current_frames()[t.ident])) for t in threads if t.is_alive()}
+                sys._current_frames()[t.ident])) for t in threads if t.is_alive()}
             job.exchange.fail(groups.RehearsalError(
                 f"no rehearsed rank moved for {stall_s:.0f} s: a deadlock. Waiting: "
                 f"{dict(job.exchange.waiting)}\n" + "\n".join(f"--- {n}\n{s}"

@@ -1,9 +1,9 @@
 """Replaying repeated calls: what makes a real-size rehearsal take minutes, not hours.
 
 A FakeTensorMode op costs about a millisecond of Python on these CPUs, so one forward of a 12-20B
-transformer is 10-20 s and one training pack 30-40 s; a step runs hundreds of them. Their memory does
-not depend on the values: two calls with the same inputs (shapes, dtypes, devices), grad mode and
-module state allocate and free the same bytes. So the first call of each kind runs for real and is
+transformer is 10-20 s and one training pack 30-40 s; a step runs hundreds of them. Their memory
+does not depend on the values: two calls with the same inputs (shapes, dtypes, devices), grad mode
+and module state allocate and free the same bytes. So the first call of each kind runs for real and is
 measured (the highest bytes held above what was held when it began: its transient; what it leaves
 behind: its output), and a later call of the same kind is replayed: its output is a new fake tensor
 of the recorded shape, the rank's peak is raised by the recorded transient on top of what it holds
@@ -122,7 +122,7 @@ def _wrap_forward(family, replay_of) -> None:
             return call()
         grad = torch.is_grad_enabled()
         detail = ("forward", tuple(latents.shape), grad, negative_cond is not None)
-        if grad:  # inside a training pack (replayed as a whole) or FSDP-gathered: measured each time
+        if grad:  # inside a training pack, which is replayed as a whole
             replay.count("forward", detail)
             return call()
         key = ("forward", transformer_state(transformer), torch.is_autocast_enabled(

@@ -11,8 +11,8 @@ The rank code runs under `RealSmallMode`, a FakeTensorMode with three changes:
   real. So a mask built on the host and moved to the device still sums to a number. A 1-D buffer
   concatenated from real and fake pieces (transport's fragment payload) keeps its real pieces: a
   slice inside one of them is real again after the wire (the names, the rewards, the prompt ids).
-- Reading a number out of a value that only the device knows (a loss, a gradient norm, a ratio) gives
-  0 and is recorded with its call site: such a value must not decide anything but a metric.
+- Reading a number out of a value that only the device knows (a loss, a gradient norm, a ratio)
+  gives 0 and is recorded with its call site: such a value must not decide anything but a metric.
 `Holdings` counts what a rank holds: every storage its threads create, by device ("gpu" is device
 memory, the CPU is host memory), with the peak by phase.
 """
@@ -64,7 +64,7 @@ def _on_device(value) -> bool:
 
 
 class RealSmallMode(FakeTensorMode):
-    """FakeTensorMode for a rehearsed rank (see the module docstring). `holdings` counts storages."""
+    """FakeTensorMode for a rehearsed rank (the module docstring); `holdings` counts storages."""
 
     def __init__(self, holdings: "Holdings"):
         self._kernel_flags = threading.local()
@@ -111,6 +111,9 @@ class RealSmallMode(FakeTensorMode):
         fakes = [t for t in flat if isinstance(t, FakeTensor)]
         if func is aten._local_scalar_dense.default and fakes:
             return self._read(fakes[0])
+        if func is aten._fused_sdp_choice.default and _on_device(args[0]):
+            return fake_gpu.sdp_choice(args[0], args[3] if len(args) > 3 else kwargs.get(
+                "attn_mask"))
         if not fakes and self._stays_real(func, args, flat, kwargs):
             out = func(*args, **kwargs)
         elif func in SLICES and _segments(args[0]) is not None and (
@@ -250,13 +253,14 @@ class Holdings:
         self.live = {"device": 0, "host": 0}
         self.peak = {"device": 0, "host": 0}
         self.phase_peaks: dict[str, dict[str, int]] = {}
+        self.at_end: dict[str, dict[str, int]] = {}  # phase -> bytes held when it last closed
         self.open_phases: dict[int, list[str]] = {}  # thread id -> its open phases
         self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.excluded = threading.local()  # a thread inside `apart()` allocates for nobody
         self._watermarks: list[dict[str, int]] = []
 
     def open(self, name: str) -> None:
-        """Phase `name` opens on this thread (a tracing span, a named section: infra/progress.py)."""
+        """Phase `name` opens on this thread (a tracing span or named section, infra/progress)."""
         self.open_phases.setdefault(threading.get_ident(), []).append(name)
         with self.lock:
             self._note_peak()
@@ -267,9 +271,12 @@ class Holdings:
         return stack[-1] if stack else "outside"
 
     def close(self, name: str) -> None:
+        """Phase `name` closes on this thread; what the rank holds then is kept (`at_end`)."""
         stack = self.open_phases.get(threading.get_ident(), [])
         if name in stack:
             del stack[len(stack) - 1 - stack[::-1].index(name)]
+        with self.lock:
+            self.at_end[name] = dict(self.live)
 
     @contextlib.contextmanager
     def opened(self, name: str):

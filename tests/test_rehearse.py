@@ -1,0 +1,119 @@
+"""tools/rehearse.py at reduced size: the program's own ranks (rollout rank 0, the trainer leader, one
+more trainer) run two RL steps, evaluation, checkpoint, resume and weight publishing on FLUX.1-dev's
+released layout with 1 + 1 of its 19 + 38 blocks, 256 px, under fake tensors. Its figures are pinned
+to arithmetic done here by hand from parameter counts (diffusers' own classes on the meta device,
+tools/real_models.py's counts for the text encoders and the VAE), and the replayed calls to running
+every call. The full-size rows come from `python tools/rehearse.py --table` (docs/RESULTS.md 5).
+"""
+import json
+import subprocess
+import sys
+import types
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.timeout(900)
+GIB = 2**30
+SMALL = ["--model", "flux", "--nproc", "3", "--rollout-ranks", "1", "--depth", "0.02",
+         "--resolution", "256", "--group-size", "2", "--prompts-per-step", "2",
+         "--fragment-groups", "2", "--num-steps", "3", "--text-len", "32"]
+
+
+def rehearse(tmp_path, *flags) -> dict:
+    out = tmp_path / "rehearsal.json"
+    proc = subprocess.run([sys.executable, "tools/rehearse.py", *SMALL, *flags, "--json", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=850)
+    assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-4000:])
+    report = json.loads(out.read_text())
+    assert set(report["jobs"]) == {"run", "resume"}
+    for job in report["jobs"].values():
+        assert not job["failed"], job["failed"]
+        assert set(job["ranks"]) == {"0", "1", "2"}
+    return report
+
+
+def counts() -> dict:
+    """Parameters by hand: the transformer at the rehearsal's depth (diffusers' class on the meta
+    device), the text encoders and the VAE (tools/real_models.py)."""
+    import diffusers
+    import torch
+
+    from tools.real_models import FAMILIES
+
+    info = FAMILIES["flux"]
+    config = dict(info["config"], num_layers=1, num_single_layers=1)  # round(19 * 0.02) -> 1
+    with torch.device("meta"):
+        transformer = diffusers.FluxTransformer2DModel(**config)
+    others = info["others"]
+    return {"N": sum(p.numel() for p in transformer.parameters()),
+            "E": sum(n for k, n in others.items() if k != "VAE"), "V": others["VAE"],
+            "transformer": transformer}
+
+
+def test_full_fine_tuning_under_fsdp_is_what_the_arithmetic_says(tmp_path):
+    """Catches a rehearsal whose memory is not what the program holds, or a program that holds more
+    than it should: full fine-tuning with fp32 masters under FSDP over K = 2 trainers. By hand (N
+    transformer parameters, E text-encoder and V VAE parameters, all bf16 on every rank): the rollout
+    rank holds 2 (N + E + V) bytes once loaded; a trainer after its optimizer step 2 (E + V) plus its
+    1/K of the fp32 masters (4 N) and of AdamW's two moments (8 N); the leader's checkpoint gathers the
+    whole fp32 weights and both moments onto the host (12 N, issue 38 defect 8); the leader publishes
+    the whole transformer in bf16 (2 N) three times (versions 0, 1, 2) and the rollout rank receives
+    them. Each within 10 %. Also: TAG claimed (every trainer is rehearsed at K = 2), the resume job
+    loaded the checkpoint, the trainers ran the same compute collectives."""
+    report = rehearse(tmp_path, "--fsdp", "--no-lora")
+    c = counts()
+    n, shared, k = c["N"], 2 * (c["E"] + c["V"]), 2
+    run = report["jobs"]["run"]
+    assert run["tag_claimed"]
+    rollout, leader, trainer = (run["ranks"][r] for r in ("0", "1", "2"))
+    loaded = rollout["held_at_end_of"]["load"]["device"] * GIB
+    assert loaded == pytest.approx(2 * n + shared, rel=0.10), (loaded, 2 * n + shared)
+    states = shared + (4 + 8) * n / k
+    for row in (leader, trainer):
+        held = row["held_at_end_of"]["optimizer"]["device"] * GIB
+        assert held == pytest.approx(states, rel=0.10), (held / GIB, states / GIB)
+    checkpoint = leader["phases"]["checkpoint"]["host"] * GIB
+    assert checkpoint == pytest.approx(12 * n, rel=0.10), (checkpoint / GIB, 12 * n / GIB)
+    assert leader["traffic_bytes"]["publish sent"] == pytest.approx(3 * 2 * n, rel=0.01)
+    assert rollout["traffic_bytes"]["thread weight-mailbox received"] == pytest.approx(
+        3 * 2 * n, rel=0.01)
+    resumed = report["jobs"]["resume"]["ranks"]
+    for r in ("1", "2"):  # the checkpoint's fp32 weights and moments loaded into the shards
+        assert resumed[r]["held_at_end_of"]["resume"]["device"] * GIB == pytest.approx(
+            states, rel=0.10)
+
+
+def test_replayed_calls_give_the_figures_of_running_every_call(tmp_path):
+    """Catches replay.py changing what it measures (a replayed forward, decode or training pack
+    whose transient or output is not the first call's, a pack replayed before its gradients exist):
+    LoRA (the bf16 base whole, fp32 adapters), every rank's peaks by phase with and without replay,
+    to 2 %. And LoRA by hand: a trainer after its optimizer step holds the bf16 base (2 N), the
+    adapters and AdamW's two moments in fp32 (12 A) and the encoders and VAE, within 10 %."""
+    import torch
+
+    import models
+
+    replayed = rehearse(tmp_path, "--lora-rank", "8")
+    every = rehearse(tmp_path, "--lora-rank", "8", "--no-replay")
+    for job in ("run", "resume"):
+        for rank, row in replayed["jobs"][job]["ranks"].items():
+            other = every["jobs"][job]["ranks"][rank]
+            for phase, peaks in row["phases"].items():
+                # host memory also depends on when fragments arrive (a few MB here): not replay's
+                for kind, slack in (("device", 1e-3), ("host", 0.02)):
+                    assert peaks[kind] == pytest.approx(other["phases"][phase][kind], rel=0.02,
+                                                        abs=slack), (job, rank, phase, kind)
+    assert sum(r["replayed"] for r in replayed["jobs"]["run"]["ranks"].values()) > 0
+    assert sum(r["replayed"] for r in every["jobs"]["run"]["ranks"].values()) == 0
+    c = counts()
+    policy = types.SimpleNamespace(transformer=c["transformer"], family=models.get_family("flux"))
+    with torch.device("meta"):
+        models.add_lora(policy, 8, 16, "flow_grpo")
+    adapters = sum(p.numel() for p in c["transformer"].parameters() if p.requires_grad)
+    assert adapters > 0
+    states = 2 * (c["E"] + c["V"]) + 2 * c["N"] + 12 * adapters
+    for rank in ("1", "2"):
+        held = replayed["jobs"]["run"]["ranks"][rank]["held_at_end_of"]["optimizer"]["device"]
+        assert held * GIB == pytest.approx(states, rel=0.10), (held, states / GIB)
