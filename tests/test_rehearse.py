@@ -27,10 +27,10 @@ def rehearse(tmp_path, *flags) -> dict:
                           cwd=ROOT, capture_output=True, text=True, timeout=850)
     assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-4000:])
     report = json.loads(out.read_text())
-    assert set(report["jobs"]) == {"run", "resume"}
+    assert {"run", "resume"} <= set(report["jobs"])
     for job in report["jobs"].values():
         assert not job["failed"], job["failed"]
-        assert set(job["ranks"]) == {"0", "1", "2"}
+        assert set(job["ranks"]) == {"0", "1", "2"} or set(job["ranks"]) == {"0", "1"}
     return report
 
 
@@ -52,17 +52,20 @@ def counts() -> dict:
             "transformer": transformer}
 
 
-def test_full_fine_tuning_under_fsdp_is_what_the_arithmetic_says(tmp_path):
+def test_full_fine_tuning_under_fsdp_is_what_the_arithmetic_says_replayed_or_not(tmp_path):
     """Catches a rehearsal whose memory is not what the program holds, or a program that holds more
     than it should: full fine-tuning with fp32 masters under FSDP over K = 2 trainers. By hand (N
-    transformer parameters, E text-encoder and V VAE parameters, all bf16 on every rank): the rollout
-    rank holds 2 (N + E + V) bytes once loaded; a trainer after its optimizer step 2 (E + V) plus its
-    1/K of the fp32 masters (4 N) and of AdamW's two moments (8 N); the leader's checkpoint gathers the
-    whole fp32 weights and both moments onto the host (12 N, issue 38 defect 8); the leader publishes
-    the whole transformer in bf16 (2 N) three times (versions 0, 1, 2) and the rollout rank receives
-    them. Each within 10 %. Also: TAG claimed (every trainer is rehearsed at K = 2), the resume job
-    loaded the checkpoint, the trainers ran the same compute collectives."""
-    report = rehearse(tmp_path, "--fsdp", "--no-lora")
+    transformer parameters, E text-encoder and V VAE parameters, all bf16 on every rank): the
+    rollout rank holds 2 (N + E + V) bytes once loaded; a trainer after its optimizer step 2 (E + V)
+    plus its 1/K of the fp32 masters (4 N) and of AdamW's two moments (8 N); the leader's checkpoint
+    gathers the whole fp32 weights and both moments onto the host (12 N, issue 38 defect 8); the
+    leader publishes the whole transformer in bf16 (2 N) three times (versions 0, 1, 2) and the
+    rollout rank receives them. Each within 10 %. Also: TAG claimed (every trainer is rehearsed at
+    K = 2), the resume job loaded the checkpoint into the shards, the trainers ran the same compute
+    collectives; and replay.py changes nothing it measures (a replayed forward, decode or training
+    pack whose transient or output is not the first call's, a pack replayed before its gradients
+    exist): every rank's device peak by phase equals the run's running every call, to 2 %."""
+    report = rehearse(tmp_path, "--fsdp", "--no-lora", "--check-replay")
     c = counts()
     n, shared, k = c["N"], 2 * (c["E"] + c["V"]), 2
     run = report["jobs"]["run"]
@@ -83,30 +86,27 @@ def test_full_fine_tuning_under_fsdp_is_what_the_arithmetic_says(tmp_path):
     for r in ("1", "2"):  # the checkpoint's fp32 weights and moments loaded into the shards
         assert resumed[r]["held_at_end_of"]["resume"]["device"] * GIB == pytest.approx(
             states, rel=0.10)
+    every = report["jobs"]["run, every call"]
+    assert sum(r["replayed"] for r in run["ranks"].values()) > 0
+    assert sum(r["replayed"] for r in every["ranks"].values()) == 0
+    for rank, row in run["ranks"].items():
+        for phase, peaks in row["phases"].items():
+            assert peaks["device"] == pytest.approx(
+                every["ranks"][rank]["phases"][phase]["device"], rel=0.02), (rank, phase)
 
 
-def test_replayed_calls_give_the_figures_of_running_every_call(tmp_path):
-    """Catches replay.py changing what it measures (a replayed forward, decode or training pack
-    whose transient or output is not the first call's, a pack replayed before its gradients exist):
-    LoRA (the bf16 base whole, fp32 adapters), every rank's peaks by phase with and without replay,
-    to 2 %. And LoRA by hand: a trainer after its optimizer step holds the bf16 base (2 N), the
-    adapters and AdamW's two moments in fp32 (12 A) and the encoders and VAE, within 10 %."""
+def test_lora_is_what_the_arithmetic_says(tmp_path):
+    """Catches LoRA counted wrong (the base trained or sharded, bf16 adapters, AdamW state missing):
+    one trainer after its optimizer step holds the bf16 base (2 N), the adapters and AdamW's two
+    moments in fp32 (12 A: adapters counted on the meta device through models.add_lora, peft's
+    layers) and the encoders and VAE, within 10 %; the leader publishes the adapters three times,
+    in the rollout ranks' dtype: fp32 (4 A), as every rank's adapters are."""
     import torch
 
     import models
 
-    replayed = rehearse(tmp_path, "--lora-rank", "8")
-    every = rehearse(tmp_path, "--lora-rank", "8", "--no-replay")
-    for job in ("run", "resume"):
-        for rank, row in replayed["jobs"][job]["ranks"].items():
-            other = every["jobs"][job]["ranks"][rank]
-            for phase, peaks in row["phases"].items():
-                # host memory also depends on when fragments arrive (a few MB here): not replay's
-                for kind, slack in (("device", 1e-3), ("host", 0.02)):
-                    assert peaks[kind] == pytest.approx(other["phases"][phase][kind], rel=0.02,
-                                                        abs=slack), (job, rank, phase, kind)
-    assert sum(r["replayed"] for r in replayed["jobs"]["run"]["ranks"].values()) > 0
-    assert sum(r["replayed"] for r in every["jobs"]["run"]["ranks"].values()) == 0
+    report = rehearse(tmp_path, "--nproc", "2", "--lora-rank", "8", "--eval-every", "0",
+                      "--no-tag", "--fragment-groups", "1")
     c = counts()
     policy = types.SimpleNamespace(transformer=c["transformer"], family=models.get_family("flux"))
     with torch.device("meta"):
@@ -114,6 +114,7 @@ def test_replayed_calls_give_the_figures_of_running_every_call(tmp_path):
     adapters = sum(p.numel() for p in c["transformer"].parameters() if p.requires_grad)
     assert adapters > 0
     states = 2 * (c["E"] + c["V"]) + 2 * c["N"] + 12 * adapters
-    for rank in ("1", "2"):
-        held = replayed["jobs"]["run"]["ranks"][rank]["held_at_end_of"]["optimizer"]["device"]
-        assert held * GIB == pytest.approx(states, rel=0.10), (held, states / GIB)
+    leader = report["jobs"]["run"]["ranks"]["1"]
+    held = leader["held_at_end_of"]["optimizer"]["device"] * GIB
+    assert held == pytest.approx(states, rel=0.10), (held / GIB, states / GIB)
+    assert leader["traffic_bytes"]["publish sent"] == pytest.approx(3 * 4 * adapters, rel=0.01)

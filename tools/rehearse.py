@@ -60,6 +60,8 @@ def parse(argv):
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--depth", type=float, default=1.0, help="share of the blocks built (tests)")
     p.add_argument("--no-replay", action="store_true", help="run every call (slow; a check)")
+    p.add_argument("--check-replay", action="store_true",
+                   help="then the run again running every call, reported beside (tests)")
     p.add_argument("--one-trainer", action="store_true",
                    help="rehearse the leader for every trainer (no second trainer: a third less "
                         "time; its device memory is the leader's, its host memory less)")
@@ -117,8 +119,9 @@ def positions(cfg, one_trainer: bool = False):
 
 
 def rehearse(cfg, depth: float = 1.0, replay: bool = True, one_trainer: bool = False,
-             bf16_adapters: bool = False) -> dict:
-    """The run (cfg.steps steps, checkpoint at the end), then its resume; the report."""
+             bf16_adapters: bool = False, check_replay: bool = False) -> dict:
+    """The run (cfg.steps steps, checkpoint at the end), then its resume; with `check_replay` the
+    run once more running every call ("run, every call": replay.py's reference). The report."""
     import torch.distributed as dist
 
     from tools.rehearsal import groups, pipeline, ranks
@@ -129,8 +132,12 @@ def rehearse(cfg, depth: float = 1.0, replay: bool = True, one_trainer: bool = F
     run_dir = tempfile.mkdtemp(prefix="rehearsal_")
     run = dataclasses.replace(cfg, out_dir=run_dir, run_name="run", progress=False, wandb=False,
                               tensorboard=False)
-    resumed = dataclasses.replace(run, resume=os.path.join(run_dir, "run"), eval_every=0)
-    for name, job_cfg in (("run", run), ("resume", resumed)):
+    jobs = [("run", run, replay),
+            ("resume", dataclasses.replace(run, resume=os.path.join(run_dir, "run"),
+                                           eval_every=0), replay)]
+    if check_replay:
+        jobs.append(("run, every call", dataclasses.replace(run, run_name="every"), False))
+    for name, job_cfg, replays in jobs:
         where = positions(job_cfg, one_trainer)
         exchange = groups.Exchange(where, job_cfg.nproc)
         groups.install(exchange)
@@ -138,12 +145,13 @@ def rehearse(cfg, depth: float = 1.0, replay: bool = True, one_trainer: bool = F
         trainers = job_cfg.nproc - (0 if colocated else job_cfg.rollout_ranks)
         live = sum(p.role != "rollout" for p in where)
         job = ranks.Job(job_cfg, job_cfg.nproc, where, exchange, dist.HashStore(), disk, depth,
-                        replay, tag_claims=job_cfg.tag and trainers <= live,
+                        replays, tag_claims=job_cfg.tag and trainers <= live,
                         bf16_adapters=bf16_adapters)
         start = time.perf_counter()
         contexts = ranks.run_job(job)
         out["jobs"][name] = report_job(job, contexts, time.perf_counter() - start)
-        out["jobs"][name]["metrics"] = _metrics(os.path.join(run_dir, "run", "metrics.jsonl"))
+        out["jobs"][name]["metrics"] = _metrics(os.path.join(run_dir, job_cfg.run_name,
+                                                             "metrics.jsonl"))
         if out["jobs"][name]["failed"]:
             break
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -234,8 +242,13 @@ def summary(out: dict) -> str:
                                                    for k, v in row["traffic_bytes"].items()))
             h200 = row["h200"]
             if "seconds_by_phase" in h200:
-                lines.append("    H200 seconds: " + ", ".join(
-                    f"{k} {v:.1f}" for k, v in h200["seconds_by_phase"].items())
+                share = ""
+                if row["role"] == "rollout" and "-" in row["stands_for"]:
+                    first, last = map(int, row["stands_for"].split("-"))
+                    share = (f" (for all {last - first + 1} rollout ranks: each does about "
+                             f"1/{last - first + 1})")
+                lines.append("    H200 seconds over the job: " + ", ".join(
+                    f"{k} {v:.1f}" for k, v in h200["seconds_by_phase"].items()) + share
                     + (f" ({'; '.join(h200['notes'])})" if h200["notes"] else ""))
             else:
                 lines.append(f"    H200 seconds: {h200['note']}")
@@ -394,7 +407,8 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    out = rehearse(cfg, args.depth, not args.no_replay, args.one_trainer, args.bf16_adapters)
+    out = rehearse(cfg, args.depth, not args.no_replay, args.one_trainer, args.bf16_adapters,
+                   args.check_replay)
     out["config"] = dataclasses.asdict(cfg)
     out["skipped"] = SKIPPED
     if args.json:

@@ -341,6 +341,15 @@ def install() -> None:
     progress._Inside.__exit__ = lambda self, *exc: _inside_exit(exit_, self, *exc)
     start = threading.Thread.start
     threading.Thread.start = lambda self: _thread_start(start, self)
+    resize = torch.UntypedStorage.resize_
+
+    def resize_(storage, size):  # FSDP2 frees and refills unsharded parameters so: count it
+        out = resize(storage, size)
+        ctx = context()
+        if ctx is not None:
+            ctx.holdings.resized(storage, storage.nbytes())
+        return out
+    torch.UntypedStorage.resize_ = resize_
     replay.install(models.FAMILIES.values(), Trainer,
                    lambda: context().replay if context() is not None else None)
     _installed.append(True)

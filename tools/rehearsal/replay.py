@@ -3,15 +3,18 @@
 A FakeTensorMode op costs about a millisecond of Python on these CPUs, so one forward of a 12-20B
 transformer is 10-20 s and one training pack 30-40 s; a step runs hundreds of them. Their memory
 does not depend on the values: two calls with the same inputs (shapes, dtypes, devices), grad mode
-and module state allocate and free the same bytes. So the first call of each kind runs for real and is
-measured (the highest bytes held above what was held when it began: its transient; what it leaves
+and module state allocate and free the same bytes. So the first call of each kind runs for real and
+is measured (the highest bytes held above what was held when it began: its transient; what it leaves
 behind: its output), and a later call of the same kind is replayed: its output is a new fake tensor
 of the recorded shape, the rank's peak is raised by the recorded transient on top of what it holds
 now, and the compute-plane collectives it ran are recorded again. Replayed: a transformer forward
 without gradients (sampling, evaluation, TAG generation, update_kl's probe), a VAE decode, and a
-training pack (Trainer.train_pack: forward, loss, backward) once the gradients it accumulates into
-exist (the first pack after each optimizer update allocates them: it runs). `--no-replay` runs
-every call (tests/test_rehearse.py checks that both give the same figures).
+training pack (Trainer.train_pack: forward, loss, backward), keyed by whether the gradients it
+accumulates into exist (the first pack after an optimizer update allocates them: replayed, it leaves
+them as the measured one did). A call that leaves more than its output behind (FSDP2's root stays
+gathered after a forward without backward; a lazy initialisation) is not recorded: the next one
+runs too, and FSDP2's root state is part of the key. `--no-replay` runs every call (tests/test_rehearse.py: both give the
+same figures).
 """
 from __future__ import annotations
 
@@ -21,6 +24,9 @@ import threading
 
 import torch
 from torch.utils import _pytree as pytree
+
+
+LEFT_BEHIND_BYTES = 1 << 20  # less than this left behind by a call: noise (a cached small tensor)
 
 
 @dataclasses.dataclass
@@ -51,6 +57,7 @@ class Replay:
     def __init__(self, holdings, compute_log: list, enabled: bool = True):
         self.holdings, self.compute_log, self.enabled = holdings, compute_log, enabled
         self.recorded: dict[tuple, Recorded] = {}
+        self.recorded_grads: dict[tuple, list[bool]] = {}  # a pack's key -> the gradients it made
         # (phase, what, detail) -> calls: what the time model reads (timing.py)
         self.calls: collections.Counter = collections.Counter()
         self.replayed: collections.Counter = collections.Counter()
@@ -78,9 +85,16 @@ class Replay:
                 out = call()
         finally:
             self.local.inside = False
-        transient = {k: max(high[k] - start[k], 0) for k in start}
-        self.recorded[key] = Recorded(transient, pytree.tree_map(_meta, out),
-                                      list(self.compute_log[log_start:]))
+        # what the call left behind besides its output (FSDP's gathered root after a forward
+        # without backward, a lazy init, new gradients): a later call would not leave it again, so
+        # such a call is not recorded (the next one runs too), except a pack's gradients (rebuilt)
+        outputs = sum(t.untyped_storage().nbytes() for t in pytree.tree_leaves(out)
+                      if isinstance(t, torch.Tensor))
+        left = sum(self.holdings.live.values()) - sum(start.values()) - outputs
+        if left <= LEFT_BEHIND_BYTES or what == "pack":
+            transient = {k: max(high[k] - start[k], 0) for k in start}
+            self.recorded[key] = Recorded(transient, pytree.tree_map(_meta, out),
+                                          list(self.compute_log[log_start:]))
         return out
 
 
@@ -96,10 +110,14 @@ def _fresh(outputs):
 
 def transformer_state(transformer) -> tuple:
     """What about a transformer changes a forward's memory besides its inputs: which module it is,
-    adapters on or off (the LoRA reference), gradient checkpointing, training mode."""
+    adapters on or off (the LoRA reference), gradient checkpointing, training mode, and under FSDP2
+    whether its root is gathered (a forward without backward leaves it so until a reshard)."""
     lora = next((m for m in transformer.modules() if hasattr(m, "disable_adapters")), None)
+    group = transformer._get_fsdp_state()._fsdp_param_group if hasattr(
+        transformer, "_get_fsdp_state") else None
     return (id(transformer), bool(lora.disable_adapters) if lora is not None else None,
-            bool(getattr(transformer, "gradient_checkpointing", False)), transformer.training)
+            bool(getattr(transformer, "gradient_checkpointing", False)), transformer.training,
+            group.is_unsharded if group is not None else None)
 
 
 def install(families, trainer_cls, replay_of) -> None:
@@ -122,7 +140,7 @@ def _wrap_forward(family, replay_of) -> None:
             return call()
         grad = torch.is_grad_enabled()
         detail = ("forward", tuple(latents.shape), grad, negative_cond is not None)
-        if grad:  # inside a training pack, which is replayed as a whole
+        if grad:  # inside a training pack, replayed as a whole
             replay.count("forward", detail)
             return call()
         key = ("forward", transformer_state(transformer), torch.is_autocast_enabled(
@@ -146,25 +164,36 @@ def _wrap_decode(family, replay_of) -> None:
 
 
 def _wrap_train_pack(trainer_cls, replay_of) -> None:
+    """A pack is keyed by whether the gradients it accumulates into exist: the first pack after an
+    optimizer update (zero_grad frees them) allocates them. Such a pack, replayed, raises the peak
+    by its measured transient (the gradients grow inside it), then leaves the gradients it made."""
     original = trainer_cls.train_pack
 
     def train_pack(self, batch, mask, kinds, total_pairs):
         replay = replay_of()
         if replay is None:
             return original(self, batch, mask, kinds, total_pairs)
-        grads = all(p.grad is not None for p in self.params)  # else this pack allocates them
+        grads = all(p.grad is not None for p in self.params)
         key = ("pack", id(self), grads, len(mask), signature(batch))
         detail = ("pack", len(mask), int(sum(mask)))
 
+        def call():
+            out = original(self, batch, mask, kinds, total_pairs)
+            if not grads:  # which parameters the pack gave a gradient
+                replay.recorded_grads[key] = [p.grad is not None for p in self.params]
+            return out
+
         def rebuild(found):
-            p = len(mask)
-            logp = torch.empty(p, dtype=torch.float32, device=self.policy.device)
+            with torch.no_grad():
+                for p, made in zip(self.params, replay.recorded_grads.get(key, ())):
+                    if made and p.grad is None:
+                        p.grad = torch.zeros_like(p)  # sharded like p under FSDP
+            logp = torch.empty(len(mask), dtype=torch.float32, device=self.policy.device)
             mask_t = torch.tensor(mask, dtype=torch.float32, device=self.policy.device)
             self.probe = (batch, logp, mask_t)
             self._bump()
             real = float(sum(mask))
             if real:
                 self.metrics.add("pairs", real)
-        return replay.run("pack", key if grads else key + (object(),), detail,
-                          lambda: original(self, batch, mask, kinds, total_pairs), rebuild)
+        return replay.run("pack", key, detail, call, rebuild)
     trainer_cls.train_pack = train_pack

@@ -303,20 +303,33 @@ class Holdings:
                 self.add_storage(t)
 
     def add_storage(self, t: torch.Tensor) -> None:
+        """Count `t`'s storage (once), until it is freed; an empty one too, since FSDP2 frees and
+        refills its unsharded parameters by resizing their storage (`resized`)."""
         storage = t.untyped_storage()
         kind = "device" if t.device.type == fake_gpu.NAME else "host"
-        nbytes = storage.nbytes()
         with self.lock:
-            if storage in self._seen or nbytes == 0:
+            if storage in self._seen:
                 return
-            self._seen[storage] = (kind, nbytes)
-            self.live[kind] += nbytes
+            record = [kind, storage.nbytes()]
+            self._seen[storage] = record
+            self.live[kind] += record[1]
             self._note_peak()
-        weakref.finalize(storage, self._free, kind, nbytes)
+        weakref.finalize(storage, self._free, record)
 
-    def _free(self, kind: str, nbytes: int) -> None:
+    def resized(self, storage, nbytes: int) -> None:
+        """A storage this rank holds now has `nbytes` (UntypedStorage.resize_, which no dispatch
+        mode sees: ranks.py reports it)."""
         with self.lock:
-            self.live[kind] -= nbytes
+            record = self._seen.get(storage)
+            if record is None or record[1] == nbytes:
+                return
+            self.live[record[0]] += nbytes - record[1]
+            record[1] = nbytes
+            self._note_peak()
+
+    def _free(self, record: list) -> None:
+        with self.lock:
+            self.live[record[0]] -= record[1]
 
     def _note_peak(self) -> None:
         for kind, value in self.live.items():
