@@ -61,7 +61,8 @@ def parse(argv):
     p.add_argument("--depth", type=float, default=1.0, help="share of the blocks built (tests)")
     p.add_argument("--no-replay", action="store_true", help="run every call (slow; a check)")
     p.add_argument("--check-replay", action="store_true",
-                   help="then the run again running every call, reported beside (tests)")
+                   help="then the run again running every call (no evaluation), reported beside "
+                        "(tests)")
     p.add_argument("--one-trainer", action="store_true",
                    help="rehearse the leader for every trainer (no second trainer: a third less "
                         "time; its device memory is the leader's, its host memory less)")
@@ -135,8 +136,9 @@ def rehearse(cfg, depth: float = 1.0, replay: bool = True, one_trainer: bool = F
     jobs = [("run", run, replay),
             ("resume", dataclasses.replace(run, resume=os.path.join(run_dir, "run"),
                                            eval_every=0), replay)]
-    if check_replay:
-        jobs.append(("run, every call", dataclasses.replace(run, run_name="every"), False))
+    if check_replay:  # evaluation left out: its forwards are replayed as sampling's are
+        jobs.append(("run, every call", dataclasses.replace(run, run_name="every", eval_every=0),
+                     False))
     for name, job_cfg, replays in jobs:
         where = positions(job_cfg, one_trainer)
         exchange = groups.Exchange(where, job_cfg.nproc)
