@@ -20,6 +20,7 @@ from typing import ContextManager
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard
 
 import ema as ema_lib
 import gap
@@ -148,7 +149,7 @@ class Trainer:
         when sharded (a compute-plane collective: every trainer iterates, in the same order)."""
         for p in self.params:
             with torch.no_grad():
-                yield p.full_tensor() if _is_sharded(p) else p.detach()
+                yield whole_tensor(p)
 
     def evaluation_weights(self) -> ContextManager:
         """The weights evaluation uses: the EMA's (--ema) swapped in for the block, else the trained
@@ -161,7 +162,7 @@ class Trainer:
         out = {}
         for name, t in zip(self.names, tensors):
             with torch.no_grad():
-                whole = t.full_tensor() if _is_sharded(t) else t.detach()
+                whole = whole_tensor(t)
             if keep:
                 out[name] = whole.to("cpu")
             del whole
@@ -180,7 +181,7 @@ class Trainer:
         for i, entry in optimizer["state"].items():
             state[i] = {}
             for k, v in entry.items():
-                whole = v.full_tensor() if _is_sharded(v) else v
+                whole = whole_tensor(v)
                 if keep:
                     state[i][k] = whole.to("cpu")
                 del whole
@@ -465,6 +466,29 @@ def fused_adamw_ok(params: list[torch.Tensor]) -> bool:
 
 def _is_sharded(t) -> bool:
     return hasattr(t, "full_tensor")  # a DTensor (FSDP2 parameter or optimizer state)
+
+
+def whole_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 shard (a collective: every rank of its mesh calls it), else `t`.
+
+    Gathered with the all_gather_into_tensor FSDP2 itself runs, not DTensor.full_tensor(): on an H200
+    with the compute plane on gloo and CUDA tensors (tools/gpu_session.sh part a, torch 2.11,
+    2026-12-04) full_tensor's functional all-gather segfaulted on both trainers at the first publish,
+    after FSDP2's own gathers had run the training. Shard(0) follows torch.chunk: rank i holds rows
+    [i c, (i + 1) c) of n, c = ceil(n / W), the last ones short or empty, so the padded blocks'
+    first n rows are the tensor."""
+    if not _is_sharded(t):
+        return t.detach()
+    if t.ndim == 0 or tuple(t.placements) != (Shard(0),):
+        return t.full_tensor()  # not FSDP2's layout: left to DTensor
+    local = t.to_local().detach()
+    group = t.device_mesh.get_group()
+    rows = -(-t.shape[0] // dist.get_world_size(group))  # c = ceil(n / W)
+    block = local.new_zeros((rows, *t.shape[1:]))  # [c, ...]
+    block[:local.shape[0]] = local
+    gathered = local.new_empty((rows * dist.get_world_size(group), *t.shape[1:]))  # [W c, ...]
+    dist.all_gather_into_tensor(gathered, block, group=group)
+    return gathered[:t.shape[0]]  # [n, ...]
 
 
 def _like(whole: torch.Tensor, param) -> torch.Tensor:

@@ -37,16 +37,19 @@ def _worker(rank, world, store, cache):
         p.grad = torch.zeros_like(p)
     trainer.optimizer.step()
 
-    alive, peak = weakref.WeakSet(), [0]
-    original = DTensor.full_tensor
+    import trainer as trainer_lib
 
-    def tracked(self, *args, **kwargs):
-        whole = original(self, *args, **kwargs)
-        alive.add(whole)
-        peak[0] = max(peak[0], sum(t.numel() * t.element_size() for t in alive))
+    alive, peak = weakref.WeakSet(), [0]
+    original = trainer_lib.whole_tensor  # every FSDP shard made whole goes through it (publish, checkpoint)
+
+    def tracked(t):
+        whole = original(t)
+        if isinstance(t, DTensor):
+            alive.add(whole)
+            peak[0] = max(peak[0], sum(x.numel() * x.element_size() for x in alive))
         return whole
 
-    DTensor.full_tensor = tracked
+    trainer_lib.whole_tensor = tracked
     leader = rank == 0
     alone = dist.new_group([0], backend="gloo")  # the leader publishes to a group of its own (no receivers here)
     if leader:
