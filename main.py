@@ -134,8 +134,8 @@ def rollout_rank(r: Rank) -> None:
     cfg, groups = r.cfg, r.groups
     params = [p for p in r.policy.transformer.parameters() if p.requires_grad]  # published ones
     sender = transport.FragmentSender(wiring.Send(r.tracer, groups.world_data))
-    receive = functools.partial(transport.receive_weights, groups.leader, groups.publish,
-                                [(p.shape, p.dtype) for p in params])
+    receive = transport.WeightReceiver(groups.leader, groups.publish,  # one reused copy on the host
+                                       [(p.shape, p.dtype) for p in params])
     budget = tcss.StaleBudget(r.job.prefixed("stale"), cfg.max_stale_fragments)
     weights = tcss.RolloutWeights(tcss.Mailbox(receive), params, budget if cfg.use_tcss else None,
                                   sender.raise_if_failed, r.tracer, groups.rank == 0)  # TCSS

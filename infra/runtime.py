@@ -108,7 +108,8 @@ def load_policy(cfg, device: str, dtype: torch.dtype, groups: comm.Groups, progr
         if cfg.init_lora and not cfg.resume:  # every rank starts from the file (a resumed run: from its checkpoint)
             models.load_init_lora(policy.transformer, cfg.init_lora)
     else:
-        models.enable_full_training(policy, fp32_master=cfg.fp32_master and groups.is_trainer)
+        models.enable_full_training(policy, fp32_master=cfg.fp32_master and groups.is_trainer,
+                                    masters_after_sharding=cfg.fsdp)  # each trainer converts only its shard
     if cfg.grad_ckpt and groups.is_trainer:
         policy.transformer.enable_gradient_checkpointing()
     return policy
