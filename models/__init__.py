@@ -219,14 +219,32 @@ def load(name: str, path: str, device="cpu", dtype=torch.float32, height: int | 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name, as the Hugging Face Hub spells repository ids
 
 
+def is_hub_id(path: str | None) -> bool:
+    """--pretrained names a Hub repository (org/name) rather than a local directory."""
+    return bool(path) and not os.path.exists(path) and bool(HUB_ID.fullmatch(path))
+
+
+_RESOLVED: dict[tuple[str, str], str] = {}  # (family, Hub id) -> its local snapshot, once this process has it
+
+
+def hub_download(name: str, repo_id: str, local_only: bool) -> str:
+    """The pipeline's own `download` of a Hub id (what `from_pretrained` does with an id: only the files the
+    pipeline needs) into the Hugging Face cache; the local snapshot. (tests/inject/fake_hub.py stands in for it.)"""
+    return get_family(name).pipeline_class().download(repo_id, local_files_only=local_only)
+
+
 def resolve_pretrained(name: str, path: str, local_only: bool = False) -> str:
-    """--pretrained as a local directory (as is) or a Hub id: the pipeline's own `download` (what `from_pretrained`
-    does with an id: only the files the pipeline needs) into the Hugging Face cache; returns the local snapshot."""
-    if os.path.exists(path) or not HUB_ID.fullmatch(path):
+    """--pretrained as a local directory (as is) or a Hub id: fetched into the Hugging Face cache (`hub_download`;
+    `local_only`: from the cache alone) once per process; returns the local snapshot. Under torchrun one rank per
+    node fetches (infra/node_fetch.py)."""
+    if not is_hub_id(path):
         return path
+    if (name, path) in _RESOLVED:
+        return _RESOLVED[(name, path)]
     _quiet_libraries()
     try:
-        return get_family(name).pipeline_class().download(path, local_files_only=local_only)
+        _RESOLVED[(name, path)] = hub_download(name, path, local_only)
+        return _RESOLVED[(name, path)]
     except Exception as exc:  # noqa: BLE001  (offline, unknown repo, gated repo, ... : all mean "not available")
         reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
         raise FileNotFoundError(
