@@ -8,7 +8,8 @@ runs/<name>/
   before_after.png       the first evaluation next to the latest one, same prompts and noises (videos: .gif)
   tensorboard/, wandb/   with --tensorboard / --wandb (infra/tracking.py); wandb_id.txt: the W&B run to resume
   checkpoints/step_000050/  state.pt (weights, optimizer, step, RNG, config: tensors and plain data only, loaded
-                            with weights_only=True: a state.pt that would run code is refused) and, with LoRA,
+                            with weights_only=True: a state.pt that would run code is refused; written one tensor
+                            at a time, infra/checkpoint_file.py, as torch.save writes it) and, with LoRA,
                             pytorch_lora_weights.safetensors that `pipe.load_lora_weights` accepts
                             (alpha, rank and targets in its header: diffusers' LoRA adapter metadata)
 Every file is written atomically (temporary name, flush, fsync, rename): a crash never leaves half a file.
