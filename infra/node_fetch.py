@@ -61,11 +61,15 @@ class NodeFetch:
         MASTER_ADDR:MASTER_PORT (the agent's, or hosted by rank 0)."""
         from infra.launch import open_store
 
-        rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
-        master = (env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+        rank, world = int(env["RANK"]), int(env.get("WORLD_SIZE", 1))
         hosts = rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+
+        def job_store(timeout_s: float):  # only once a Hub id needs it
+            return open_store((env["MASTER_ADDR"], int(env["MASTER_PORT"])), world, is_master=hosts,
+                              timeout_s=timeout_s)
+
         return NodeFetch(rank, world, int(env.get("LOCAL_RANK", 0)), env.get("GROUP_RANK") or socket.gethostname(),
-                         lambda timeout_s: open_store(master, world, is_master=hosts, timeout_s=timeout_s))
+                         job_store)
 
     def __call__(self, cfg) -> None:
         import models

@@ -128,6 +128,31 @@ def test_a_failed_download_ends_every_wait_with_its_error(monkeypatch):
 
 
 # --- torchrun itself ----------------------------------------------------------------------------------------------
+def test_every_multi_node_command_names_the_c10d_rendezvous():
+    """Catches a documented or printed multi-node command that cannot form a job (the README's had no
+    --rdzv-backend: torchrun's static rendezvous gave both nodes node rank 0): every torchrun command with
+    --nnodes > 1 in the docs, and tools/plan.py's for 32 GPUs, names the c10d backend and an endpoint."""
+    import re
+    import shlex
+
+    from test_presets import _doc_commands
+    from tools import plan, plan_memory
+
+    problem = plan.Problem(plan_memory.settings("flux")[0], "flux", 32)
+    commands = [command for _, command in _doc_commands() if command.startswith("torchrun")]
+    commands.append(plan.command(problem, plan.Candidate(rollout_ranks=16, fragment_groups=16, tsp_pack=8, tag=True,
+                                                         max_stale=16)))
+    multi = [c for c in commands if int((re.search(r"--nnodes[ =](\d+)", c) or [0, 1])[1]) > 1]
+    assert len(multi) >= 2, commands  # the README's, the planner's
+    for command in multi:
+        tokens = shlex.split(command)
+        launcher = [part for t in tokens[:tokens.index("main.py")] for part in t.split("=", 1)]
+        for flag in ("--rdzv-backend", "--rdzv-endpoint"):  # (--rdzv-id only tells jobs on one endpoint apart)
+            assert flag in launcher, (flag, command)
+        assert launcher[launcher.index("--rdzv-backend") + 1] == "c10d", command
+
+
+
 def _free_port() -> int:
     with socket.socket() as s:  # (the one port chosen by bind-and-close: torchrun's c10d store binds it itself)
         s.bind(("127.0.0.1", 0))
