@@ -183,12 +183,13 @@ class Trainer:
             state["ema"] = {name: deferred(t) for name, t in zip(self.names, self.ema.shadow)}
         return state
 
-    def produce(self, tensor: Deferred) -> torch.Tensor:
+    def produce(self, tensor: Deferred, keep: bool = True) -> torch.Tensor | None:
         """One Deferred of checkpoint_skeleton whole on the CPU. Under FSDP it is gathered now (a
         collective): every trainer produces the same ones in the same order, and only the leader,
-        which writes the file, keeps each for as long as it writes it."""
+        which writes the file, keeps each (`keep`) for as long as it writes it."""
         with torch.no_grad():
-            whole = whole_tensor(tensor.source).to("cpu")
+            whole = whole_tensor(tensor.source)
+            whole = whole.to("cpu") if keep else None
         self._bump()
         return whole
 
@@ -200,7 +201,7 @@ class Trainer:
         state = self.checkpoint_skeleton()
         produced = {}
         for tensor in checkpoint_file.deferred_order(state):
-            whole = self.produce(tensor)
+            whole = self.produce(tensor, keep)
             if keep:
                 produced[id(tensor)] = whole
             del whole

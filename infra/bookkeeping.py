@@ -106,7 +106,7 @@ class Bookkeeping:
             if not self.leader:
                 with self.tracer.span("checkpoint", step=step):
                     for tensor in checkpoint_file.deferred_order(checkpoint[0]):
-                        self.trainer.produce(tensor)
+                        self.trainer.produce(tensor, keep=False)
         if self.leader:
             metrics.update(self.initial_eval)
             self.initial_eval.clear()
