@@ -2,8 +2,9 @@
 file, a rollout rank receives every publish into the same buffers, and fp32 masters are made from the FSDP shards.
 
 Each is checked against a reference beside it (torch.save of the whole state; new buffers per publish; masters made
-before sharding) and by counting the host storages it allocates (tests/host_bytes.py), single-process where the
-code allows; one 3-rank run of main.py's own wiring counts all three at once, where they happen in a real run.
+before sharding: tests/test_memory.py's 2-rank FSDP test) and by counting the host storages it allocates
+(tests/host_bytes.py), single-process where the code allows; one 3-rank run of main.py's own wiring counts all
+three at once, where they happen in a real run.
 """
 import dataclasses
 import json
@@ -15,9 +16,7 @@ import zipfile
 
 import pytest
 import torch
-import torch.distributed as dist
 
-import dist_harness
 import tcss
 import transport
 from host_bytes import NewStorages
@@ -272,42 +271,6 @@ def test_a_publish_waits_for_the_swap_reading_its_buffers():
     swap.join(60)
     wire.go[3].set()
     mailbox.join()
-
-
-# --- fp32 masters made from the shards --------------------------------------------------------------------------
-def _masters_worker(rank, world, store, cache):
-    os.environ["DIGENRL_CACHE"] = cache
-    import models
-    from trainer import TrainConfig, Trainer, shard_for_fsdp
-
-    path, out = models.tiny_pipeline_path("flux"), []
-    for after in (False, True):  # masters made before sharding (the reference), then from the shards
-        policy = models.load("flux", path, "cpu", torch.bfloat16)
-        models.enable_full_training(policy, fp32_master=True, masters_after_sharding=after)
-        shard_for_fsdp(policy, dist.group.WORLD, keep_reference=True)
-        trainer = Trainer(policy, TrainConfig(lr=1e-2), compute_group=dist.group.WORLD, data_group=dist.group.WORLD,
-                          sharded=True)
-        x = policy.noise(torch.Generator().manual_seed(rank))[None]  # [1, tokens, channels]
-        policy.velocity(x, torch.tensor([0.6]), policy.encode_prompts(["a red image"])).square().mean().backward()
-        trainer.optimizer.step()
-        out.append(({n: p.to_local().clone() for n, p in policy.transformer.named_parameters()},
-                    {n: p.to_local().clone() for n, p in policy.reference_transformer.named_parameters()},
-                    policy.autocast))
-    (before, reference_before, autocast_before), (after, reference_after, autocast_after) = out
-    same = [n for n in before if before[n].dtype == after[n].dtype == torch.float32 and torch.equal(before[n], after[n])]
-    same_reference = [n for n in reference_before if reference_after[n].dtype == torch.bfloat16
-                      and torch.equal(reference_before[n], reference_after[n])]
-    return len(same), len(before), len(same_reference), len(reference_before), autocast_before, autocast_after
-
-
-def test_fp32_masters_made_from_the_shards_train_as_masters_made_before_sharding(tiny_cache):
-    """Catches masters from the shards that are not the masters made before sharding (another dtype, values, shard
-    layout or KL reference): 2 FSDP ranks, a bf16 tiny FLUX, one forward, backward and AdamW step from each way;
-    every fp32 shard after the step and every bf16 reference shard is bit for bit the same."""
-    rows = dist_harness.check(dist_harness.run(_masters_worker, 2, tiny_cache, timeout_s=240))
-    for rank, (same, total, same_reference, total_reference, autocast_before, autocast_after) in rows.items():
-        assert same == total > 0 and same_reference == total_reference > 0, (rank, same, total, same_reference)
-        assert autocast_before and autocast_after  # bf16 compute under autocast either way
 
 
 # --- all three in a run of main.py's wiring ---------------------------------------------------------------------

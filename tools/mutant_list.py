@@ -628,6 +628,10 @@ MUTANTS = [
       "masters_after_sharding=cfg.fsdp)", "masters_after_sharding=False)",
       "FSDP trainers make the fp32 masters of the whole transformer before sharding",
       "tests/test_host_memory.py::test_host_memory_of_a_full_fine_tuning_run"),
+    M("masters-left-in-bf16", "trainer.py",
+      "        models.make_fp32_masters(transformer)\n", "",
+      "FSDP trainers whose fp32 masters were left to sharding train the bf16 weights (updates below half a bf16 "
+      "ulp lost)", "tests/test_memory.py::test_the_sharded_kl_reference_is_the_initial_weights"),
     M("node-fetch-every-rank", "infra/node_fetch.py",
       "        if self.local_rank == 0:\n", "        if True:\n",
       "under torchrun every rank downloads --pretrained, not one per node",
