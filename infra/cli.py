@@ -12,6 +12,7 @@ import models
 import presets
 from infra import lifeline, rundir
 from infra.launch import main_module, start_method_for
+from infra.node_fetch import NodeFetch
 from infra.runlock import RunLock, check_new_run
 
 ONE_RANK = ("[digenrl] one rank: running colocated (generate, then train, on this rank); the disaggregated modes "
@@ -54,11 +55,15 @@ def lock_run_dir(cfg) -> RunLock:
     return lock
 
 
-def prepare(argv=None) -> config.Config:
-    """Parse, resolve and validate; raises ValueError/FileNotFoundError with a clear message on bad input."""
+def prepare(argv=None, fetch=None) -> config.Config:
+    """Parse, resolve and validate; raises ValueError/FileNotFoundError with a clear message on bad input.
+    fetch(cfg) runs before validation (which reads --pretrained): under torchrun, infra/node_fetch.py's one
+    download per node."""
     parsed = config.parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", parsed.nproc))
     cfg = config.resolve(parsed, world=world)
+    if fetch is not None:
+        fetch(cfg)
     if cfg.placement == "disaggregated" and world < 2:  # asked for explicitly (the default falls back to colocated)
         raise ValueError(needs_two_ranks(argv, world))
     config.validate(cfg, world)
@@ -75,8 +80,9 @@ def main(argv, run_rank, launch) -> int:
     torchrun = "RANK" in os.environ
     if "TORCHELASTIC_RUN_ID" in os.environ:
         lifeline.die_with_parent()  # a rank of torchrun dies with its agent
+    fetch = NodeFetch.under_torchrun(os.environ) if torchrun else None  # a Hub id: one download per node
     try:
-        cfg = prepare(argv)
+        cfg = prepare(argv, fetch)
         world = int(os.environ["WORLD_SIZE"]) if torchrun else cfg.nproc
         rank = int(os.environ["RANK"]) if torchrun else 0
         print(f"[digenrl] {presets.describe(cfg)}", flush=True)
@@ -94,7 +100,8 @@ def main(argv, run_rank, launch) -> int:
         if torchrun:
             return run_rank(cfg, rank, world, int(os.environ.get("LOCAL_RANK", 0)),
                             (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
-                            agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+                            agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+                            store=fetch.store)
         if cfg.nproc == 1:
             return run_rank(cfg, 0, 1, 0, ("127.0.0.1", 0), agent_store=False)
         role_of = functools.partial(comm.role_of, cfg.placement, cfg.rollout_ranks, world=cfg.nproc)

@@ -8,7 +8,8 @@ runs/<name>/
   before_after.png       the first evaluation next to the latest one, same prompts and noises (videos: .gif)
   tensorboard/, wandb/   with --tensorboard / --wandb (infra/tracking.py); wandb_id.txt: the W&B run to resume
   checkpoints/step_000050/  state.pt (weights, optimizer, step, RNG, config: tensors and plain data only, loaded
-                            with weights_only=True: a state.pt that would run code is refused) and, with LoRA,
+                            with weights_only=True: a state.pt that would run code is refused; written one tensor
+                            at a time, infra/checkpoint_file.py, as torch.save writes it) and, with LoRA,
                             pytorch_lora_weights.safetensors that `pipe.load_lora_weights` accepts
                             (alpha, rank and targets in its header: diffusers' LoRA adapter metadata)
 Every file is written atomically (temporary name, flush, fsync, rename): a crash never leaves half a file.
@@ -218,19 +219,26 @@ class RunDir:
             gc.collect()
 
     # --- checkpoints -------------------------------------------------------------------------
-    def save_checkpoint(self, step: int, state: dict, lora_layers: dict | None, pipeline_class,
+    def save_checkpoint(self, step: int, state: dict, produce=None, lora_layers=None, pipeline_class=None,
                         lora_metadata: dict | None = None) -> str:
-        """`lora_metadata` (models.lora_metadata: rank, alpha, targets) goes into the LoRA file's header, where
-        `pipe.load_lora_weights` reads it back."""
+        """state.pt is torch.save(state), written streamed (infra/checkpoint_file.py): each
+        checkpoint_file.Deferred in `state` is asked of produce(deferred) when the file reaches it and let go
+        once written, so the whole state is never in memory. `lora_layers(weights)` (name -> tensor, read back
+        memory-mapped from the state.pt just written) gives the LoRA file's layers; `lora_metadata`
+        (models.lora_metadata: rank, alpha, targets) goes into its header, where `pipe.load_lora_weights`
+        reads it back. The folder appears complete or not at all: a crash mid-save leaves a .partial folder,
+        never the latest checkpoint."""
+        from infra import checkpoint_file
+
         final = os.path.join(self.path, "checkpoints", f"step_{step:06d}")
         tmp = final + ".partial"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        torch.save(state, os.path.join(tmp, "state.pt"))
+        checkpoint_file.save(state, os.path.join(tmp, "state.pt"), produce)
         with open(os.path.join(tmp, "meta.json"), "w") as f:  # what --resume checks, without loading state.pt
             json.dump({"step": state["step"], "identity": state["identity"]}, f)
         if lora_layers is not None:
-            pipeline_class.save_lora_weights(tmp, transformer_lora_layers=lora_layers,
+            pipeline_class.save_lora_weights(tmp, transformer_lora_layers=lora_layers(load_state(tmp)["weights"]),
                                              transformer_lora_adapter_metadata=lora_metadata)
         for name in os.listdir(tmp):
             with open(os.path.join(tmp, name), "rb+") as f:
@@ -411,17 +419,20 @@ def open_run_dir(cfg, steps) -> RunDir:
     return run_dir
 
 
-def record_step(run_dir: RunDir, cfg, policy, step: int, metrics: dict, state: dict | None, tracer) -> None:
-    """The leader's end of a step: the metrics row; with `state` (Trainer.checkpoint_state), a checkpoint (and the
-    LoRA file diffusers loads) and the reward curve."""
+def record_step(run_dir: RunDir, cfg, policy, step: int, metrics: dict, checkpoint: tuple | None, tracer) -> None:
+    """The leader's end of a step: the metrics row; with `checkpoint` = (state, produce) (Trainer.checkpoint_skeleton,
+    Trainer.produce), a checkpoint written streamed (and the LoRA file diffusers loads) and the reward curve."""
+    import functools
+
     import models
 
     run_dir.log(step, metrics)
-    if state is not None:
+    if checkpoint is not None:
+        state, produce = checkpoint
         with tracer.span("checkpoint", step=step):
             state.update(step=step + 1, rng=rng_state(), identity=identity(cfg),
                          config=dataclasses.asdict(cfg))
-            lora = models.lora_state_for_diffusers(policy.transformer, state["weights"]) if cfg.lora else None
+            lora = functools.partial(models.lora_state_for_diffusers, policy.transformer) if cfg.lora else None
             meta = models.lora_metadata(policy.transformer) if cfg.lora else None  # alpha, rank, targets
-            run_dir.save_checkpoint(step + 1, state, lora, policy.family.pipeline_class(), meta)
+            run_dir.save_checkpoint(step + 1, state, produce, lora, policy.family.pipeline_class(), meta)
         run_dir.plot_rewards()

@@ -63,13 +63,16 @@ def name_process(name: str) -> None:
 
 
 def connect(cfg, rank: int, world: int, local_rank: int, master: tuple, agent_store: bool, report_silent,
-            device: str, roles: list[str]) -> Job:
-    """The store, the default process group and liveness (world > 1), and preemption (always)."""
-    store, watch, progress = None, None, Progress()
+            device: str, roles: list[str], store=None) -> Job:
+    """The store (`store`, if this process opened it already), the default process group and liveness
+    (world > 1), and preemption (always)."""
+    watch, progress = None, Progress()
     if world > 1:
-        if local_rank == 0 and (warning := comm.loopback_data_plane(os.environ)):
+        if store is None:
+            store = open_store(master, world, is_master=(rank == 0 and not agent_store), timeout_s=cfg.timeout_s)
+        hosts = comm.gather_hosts(store, rank, world)  # the first rank on each host checks it
+        if hosts.index(hosts[rank]) == rank and (warning := comm.loopback_data_plane(os.environ, hosts)):
             print(f"[digenrl] warning: {warning}", file=sys.stderr, flush=True)
-        store = open_store(master, world, is_master=(rank == 0 and not agent_store), timeout_s=cfg.timeout_s)
         use_cuda = device.startswith("cuda")
         gpus = comm.gather_device_identities(store, rank, world, comm.this_device_identity(device)) if use_cuda else []
         backend, why = comm.choose_backend(use_cuda, [gpu for gpu, role in zip(gpus, roles) if role != "rollout"],
@@ -108,7 +111,8 @@ def load_policy(cfg, device: str, dtype: torch.dtype, groups: comm.Groups, progr
         if cfg.init_lora and not cfg.resume:  # every rank starts from the file (a resumed run: from its checkpoint)
             models.load_init_lora(policy.transformer, cfg.init_lora)
     else:
-        models.enable_full_training(policy, fp32_master=cfg.fp32_master and groups.is_trainer)
+        models.enable_full_training(policy, fp32_master=cfg.fp32_master and groups.is_trainer,
+                                    masters_after_sharding=cfg.fsdp)  # each trainer converts only its shard
     if cfg.grad_ckpt and groups.is_trainer:
         policy.transformer.enable_gradient_checkpointing()
     return policy
