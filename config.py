@@ -62,8 +62,10 @@ class Config:
     remote_score_key: str = field("scores", "key of the server's answer holding the scores: scores "
                                   "(GenEval-style), outputs (DeQA / UnifiedReward-style); per "
                                   "remote:NAME reward: NAME=KEY,...")
-    remote_timeout_s: float = field(30.0, "per request: longer tolerates a slow server, shorter "
-                                    "retries a hung one sooner")
+    remote_timeout_s: float = field(30.0, "each attempt's whole time (connect, send, wait, read the "
+                                    "last byte): longer tolerates a slow server, shorter retries a "
+                                    "hung one sooner; a reward call is excused from liveness for its "
+                                    "attempts and retries' waits, no longer")
     remote_retries: int = field(7, "retries after the first attempt (timeouts, connection errors, "
                                 "HTTP 5xx), with exponential backoff capped at 15 s: the default 7 "
                                 "wait 1, 2, 4, 8, 15, 15, 15 s (about a minute), riding out "
