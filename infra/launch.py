@@ -15,7 +15,8 @@ a rank killed by a signal, else the earliest report.
   step with a checkpoint (infra/preemption.py); the launcher waits for them and exits with their status 75.
   Another signal more than preemption.SAME_REQUEST_S later SIGKILLs the ranks at once.
 - The ranks die with the launcher (infra/lifeline.py): a SIGKILLed launcher leaves no rank behind. They also
-  inherit the run lock's descriptor (`held_fd`), so the run directory stays locked until the last of them is gone.
+  inherit the run lock's descriptor (`held_fd`), so the run directory stays locked until the last of them is gone,
+  and get the job store's secret (DIGENRL_JOB_SECRET if set, else a new random one: infra/jobstore.py).
 - CPU ranks are forked from a forkserver that imported torch, diffusers and main.py once (start_method_for,
   infra/rank_server.py); ranks that may use CUDA are spawned fresh.
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -36,6 +38,7 @@ from infra.liveness import FROZEN, GONE, STALLED  # reports of a liveness watchd
 from infra.preemption import EXIT_PREEMPTED, StopSignals, signal_name
 
 HOST = "127.0.0.1"
+SECRET_ENV = "DIGENRL_JOB_SECRET"  # the job store's secret (infra/jobstore.py): set in every rank by launch()
 PREEMPTED_WAIT_S = 60.0  # after one rank exited preempted, the others must follow within this
 
 
@@ -91,7 +94,7 @@ def _inherited(dup) -> InheritedFd:
 _KEPT: list[int] = []  # descriptors a rank holds until it exits (never closed: the kernel closes them at exit)
 
 
-def _entry(target, rank, world, master, payload, failures, threads, launcher_pid, held=None):
+def _entry(target, rank, world, master, payload, failures, threads, launcher_pid, held=None, secret=None):
     if os.getppid() == launcher_pid:  # spawned
         lifeline.die_with_parent(launcher_pid)
     else:  # forked by the forkserver, which must end with the launcher for the lifeline to hold
@@ -100,6 +103,8 @@ def _entry(target, rank, world, master, payload, failures, threads, launcher_pid
     if held is not None:
         os.set_inheritable(held.fd, False)  # a process the rank starts must not keep the run locked
         _KEPT.append(held.fd)
+    if secret is not None:  # through the start method's pipe: never on a command line
+        os.environ[SECRET_ENV] = secret
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     import faulthandler
     faulthandler.enable()  # a rank that aborts in native code (SIGABRT/SIGSEGV) still prints its Python stack
@@ -200,8 +205,9 @@ def launch(target, payload, nproc: int, role_of: Callable[[int], str], threads: 
     master = (HOST, listener.getsockname()[1])
     failures = ctx.SimpleQueue()
     held = InheritedFd(held_fd) if held_fd is not None else None
+    secret = os.environ.get(SECRET_ENV) or secrets.token_hex(32)  # the job store's (infra/jobstore.py)
     procs = [ctx.Process(target=_entry, args=(target, r, nproc, master + ((listener,) if r == 0 else ()), payload,
-                                              failures, threads, os.getpid(), held))
+                                              failures, threads, os.getpid(), held, secret))
              for r in range(nproc)]
     forwarder = _Forwarder(procs)
     signals = StopSignals(forwarder.first, forwarder.again)
