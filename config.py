@@ -656,9 +656,8 @@ def _check_inputs(c: Config, family, world_size: int) -> None:
                                  reward_probe(c, source))
     if c.pretrained is not None:
         family.check_pretrained(models.resolve_pretrained(c.model, c.pretrained))
-    if c.resume is None and c.run_name is not None and not RUN_NAME.fullmatch(c.run_name):
-        _bad(f"--run-name {c.run_name!r} must be a plain name (letters, digits, '.', '_', '+', '-'; not "
-             "starting with '.' or '-'): the run directory is --out-dir/NAME, never outside it")
+    if c.resume is None:
+        check_run_name(c.run_name)
     if c.resume is not None:
         from infra import rundir as runio
         runio.check_resume(c.resume, c)
@@ -666,6 +665,12 @@ def _check_inputs(c: Config, family, world_size: int) -> None:
         # a new run must not overwrite one (main.py checks again under the run lock)
         from infra.runlock import check_new_run
         check_new_run(os.path.join(c.out_dir, c.run_name))
+
+
+def check_run_name(name: str | None) -> None:
+    if name is not None and not RUN_NAME.fullmatch(name):
+        _bad(f"--run-name {name!r} must be a plain name (letters, digits, '.', '_', '+', '-'; not "
+             "starting with '.' or '-'): the run directory is --out-dir/NAME, never outside it")
 
 
 def reward_options(c: Config):

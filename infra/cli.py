@@ -63,6 +63,7 @@ def run_path_before_reading(argv) -> tuple[str | None, bool]:
     if args.resume is not None:
         return args.resume, bool(args.dry_run)
     merged = config.parse_args(argv)
+    config.check_run_name(merged.run_name)  # before a directory is made for it
     return (os.path.join(merged.out_dir, merged.run_name) if merged.run_name else None), bool(merged.dry_run)
 
 

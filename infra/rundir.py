@@ -293,24 +293,12 @@ def identity(cfg) -> dict:
     return {k: getattr(cfg, k) for k in IDENTITY_FIELDS}
 
 
-def _tensors(value):
-    """Every tensor in a loaded state (nested dicts, lists and tuples)."""
-    if torch.is_tensor(value):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
-
-
 def load_state(checkpoint: str) -> dict:
     """A checkpoint's state.pt, memory-mapped (each tensor is read when it is used), with weights_only=True:
     tensors and plain data only. A pickle that names anything else (a class, os.system, numpy's array
     reconstruction, which builds arrays of any declared size and dtype from the file's bytes) is refused with a
-    ValueError: a shared checkpoint or run folder must not run code. So is a storage that declares more bytes
-    than the file holds (a memory-mapped read past the file's end is a SIGBUS, not an error)."""
+    ValueError: a shared checkpoint or run folder must not run code. (A storage declaring more bytes than the file
+    holds is mapped as the bytes there are, and a tensor larger than its storage is torch's RuntimeError.)"""
     path = os.path.join(checkpoint, "state.pt")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -325,12 +313,6 @@ def load_state(checkpoint: str) -> dict:
     except (OSError, RuntimeError, EOFError, ValueError, MemoryError) as error:  # truncated, not a torch file, ...
         raise ValueError(f"checkpoint {path!r} cannot be read: {type(error).__name__}: "
                          f"{str(error).splitlines()[0] if str(error) else ''}") from None
-    size = os.path.getsize(path)
-    for tensor in _tensors(state):
-        declared = tensor.untyped_storage().nbytes()
-        if declared > size:
-            raise ValueError(f"checkpoint {path!r} declares a tensor storage of {declared} bytes in a file of "
-                             f"{size}: it is cut or crafted; refused to load it")
     if not isinstance(state, dict):
         raise ValueError(f"checkpoint {path!r} holds a {type(state).__name__}, not a checkpoint's dict")
     return state
