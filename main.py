@@ -82,8 +82,7 @@ class Rank:
         return fragments
 
     def score(self, images, *args, **kwargs):
-        """The reward function, excused from reporting progress (a user's function reports none), for as
-        long as its calls can take when that is bounded (remote rewards: their requests' deadlines)."""
+        """The reward fn, excused from reporting progress (for as long as a remote one can take)."""
         with self.job.progress.excused("reward", up_to_s=self.reward_fn.deadline_s(images)):
             return self.reward_fn(images, *args, **kwargs)
 

@@ -101,13 +101,13 @@ def main(argv, run_rank, launch) -> int:
             world = int(os.environ["WORLD_SIZE"]) if torchrun else cfg.nproc
             rank = int(os.environ["RANK"]) if torchrun else 0
             print(f"[digenrl] {presets.describe(cfg)}", flush=True)
-            if cfg.dry_run:  # before the lock: a dry run writes nothing
+            if cfg.dry_run:  # a dry run writes nothing (and took no lock)
                 print(f"[digenrl] dry run, nothing started; config {rundir.to_json(cfg)}", flush=True)
                 return 0
             if rank == leader_rank(cfg, world) or not torchrun:  # the process that writes the run directory
                 lock = lock or lock_run_dir(cfg)
-                rundir.check_free_space(run_path(cfg), rundir.checkpoint_bytes_estimate(cfg) * (cfg.keep_checkpoints
-                                                                                                 + 1))
+                room = rundir.checkpoint_bytes_estimate(cfg) * (cfg.keep_checkpoints + 1)  # + the one written
+                rundir.check_free_space(run_path(cfg), room)
         except (ValueError, FileNotFoundError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -43,10 +43,10 @@ import stat
 
 import torch.distributed as dist
 
-from infra.launch import SECRET_ENV  # noqa: E402  (the launcher sets it for its ranks; it imports no torch)
+from infra.launch import SECRET_ENV  # the launcher sets it in its ranks (launch.py imports no torch)
 
 MIN_SECRET_CHARS = 32
-USER_SECRET = os.path.join("$XDG_CONFIG_HOME (~/.config)", "digenrl", "store_secret")  # as messages name it
+USER_SECRET = "$XDG_CONFIG_HOME/digenrl/store_secret (~/.config/...)"  # as messages name it (user_secret_path)
 NONCE, TAG = 16, 16  # bytes of a sealed value before its ciphertext
 _ABSENT = b"\x00absent"  # what a never-matching compare_set answers for a missing key (no sealed value is this short)
 FINGERPRINT = "digenrl-secret-check/"  # the only plain keys: one per rank

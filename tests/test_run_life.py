@@ -106,7 +106,7 @@ def test_stopping_the_launcher_leaves_no_rank_alive(how, sig, tiny_cache, tmp_pa
             writing = [p for p in pids if alive(p)]
             time.sleep(0.2)  # a process closes its files a moment before /proc shows it exited
             writing = [p for p in writing if alive(p)]
-            took_over.release()
+            os.close(took_over.fd)  # gone as a killed job goes: its name stays, and --resume below takes it over
             assert writing == [], f"the lock was free while ranks {writing} of the killed job were alive"
         assert wait_all_dead(pids) == [], f"ranks alive {DEAD_WITHIN_S} s after {sig.name}:\n{log_of(tmp_path, name)}"
         code = proc.wait(30)
@@ -240,7 +240,8 @@ def test_a_stale_lock_is_taken_over_with_a_warning(tmp_path, monkeypatch, capsys
     assert main.main(["--run-name", "x", "--out-dir", str(tmp_path)]) == 0
     assert f"taking over the lock of {tmp_path / 'x'}: its holder (host h0, pid {int(dead.stdout)}, " in \
         capsys.readouterr().err
-    assert ran == [{"host": socket.gethostname(), "pid": os.getpid(), "started": ran[0]["started"]}]  # ours meanwhile
+    assert ran == [{"host": socket.gethostname(), "pid": os.getpid(), "started": ran[0]["started"],  # ours meanwhile
+                    "job": f"{socket.gethostname()} {os.getpid()}"}]
     assert (tmp_path / "x" / LOCK_NAME).read_text() == ""  # released
 
 
