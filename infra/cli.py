@@ -54,17 +54,18 @@ def lock_run_dir(cfg) -> RunLock:
     return lock
 
 
-def run_path_before_reading(argv) -> tuple[str | None, bool]:
-    """(the run directory the command line names, whether it asks for a dry run), found without reading that
-    directory: --resume RUN, or --out-dir/--run-name (a --config file's settings under the flags: that file is
-    read, no run directory is); None for a new run's default name, known only once it is made up."""
+def run_path_before_reading(argv) -> tuple[str | None, bool, bool]:
+    """(the run directory the command line names, whether it asks for a dry run, whether it resumes), found
+    without reading that directory: --resume RUN, or --out-dir/--run-name (a --config file's settings under the
+    flags: that file is read, no run directory is); None for a new run's default name, made up later."""
     parser = config.build_parser()
     args = parser.parse_args(config.negative_numbers_joined(parser, list(sys.argv[1:] if argv is None else argv)))
     if args.resume is not None:
-        return args.resume, bool(args.dry_run)
+        return args.resume, bool(args.dry_run), True
     merged = config.parse_args(argv)
     config.check_run_name(merged.run_name)  # before a directory is made for it
-    return (os.path.join(merged.out_dir, merged.run_name) if merged.run_name else None), bool(merged.dry_run)
+    named = os.path.join(merged.out_dir, merged.run_name) if merged.run_name else None
+    return named, bool(merged.dry_run), False
 
 
 def prepare(argv=None) -> config.Config:
@@ -92,11 +93,11 @@ def main(argv, run_rank, launch) -> int:
     lock = None
     try:
         try:
-            named, dry_run = run_path_before_reading(argv)
+            named, dry_run, resuming = run_path_before_reading(argv)
             if named is not None and (torchrun or dry_run):
                 RunLock.check_free(named)  # takes nothing: a dry run writes nothing, torchrun's leader locks below
             elif named is not None:
-                lock = RunLock.acquire(named)
+                lock = RunLock.acquire(named, create=not resuming)
             cfg = prepare(argv)
             world = int(os.environ["WORLD_SIZE"]) if torchrun else cfg.nproc
             rank = int(os.environ["RANK"]) if torchrun else 0

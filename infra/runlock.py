@@ -88,9 +88,12 @@ class RunLock:
         self.path, self.fd = path, fd
 
     @classmethod
-    def acquire(cls, run_path: str, job: str | None = None) -> "RunLock":
-        """Lock `run_path` (created if missing) for this job; ValueError naming the holder if another job has it."""
+    def acquire(cls, run_path: str, job: str | None = None, create: bool = True) -> "RunLock":
+        """Lock `run_path` (created if missing, unless `create` is False: --resume of a missing directory is an
+        error, not a new one) for this job; ValueError naming the holder if another job has it."""
         job = job or job_id()
+        if not create and not os.path.isdir(run_path):
+            raise ValueError(f"--resume {run_path!r} is not a directory")
         try:
             os.makedirs(run_path, exist_ok=True)
             path = os.path.join(run_path, LOCK_NAME)

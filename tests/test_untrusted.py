@@ -325,6 +325,8 @@ def test_nothing_in_a_locked_run_folder_is_read_before_the_lock_is_checked(tmp_p
         held.release()
     assert "is in use by another job (host " in err, err
     assert set(touched) == {str(run / LOCK_NAME)}, sorted(set(touched))
+    err = refused(["--resume", str(tmp_path / "missing")], monkeypatch, capsys)  # locking it makes no folder
+    assert f"--resume '{tmp_path / 'missing'}' is not a directory" in err and not (tmp_path / "missing").exists()
 
 
 # ---------------------------------------------------------------- inputs refused before any rank starts
