@@ -81,10 +81,10 @@ class Rank:
             self.batch.post(f)  # before it is announced, sent or shared (parts: TSP joins them)
         return fragments
 
-    def score(self, *args, **kwargs):
-        """The reward function, excused from reporting progress (a user's function reports none)."""
-        with self.job.progress.excused("reward"):
-            return self.reward_fn(*args, **kwargs)
+    def score(self, images, *args, **kwargs):
+        """The reward fn, excused from reporting progress (for as long as a remote one can take)."""
+        with self.job.progress.excused("reward", up_to_s=self.reward_fn.deadline_s(images)):
+            return self.reward_fn(images, *args, **kwargs)
 
 
 def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple, agent_store: bool,

@@ -59,14 +59,15 @@ class NodeFetch:
     def under_torchrun(env) -> "NodeFetch":
         """From torchrun's environment: RANK, WORLD_SIZE, LOCAL_RANK, GROUP_RANK (the node), the job's store at
         MASTER_ADDR:MASTER_PORT (the agent's, or hosted by rank 0)."""
+        from infra.jobstore import SignedStore, job_key
         from infra.launch import open_store
 
         rank, world = int(env["RANK"]), int(env.get("WORLD_SIZE", 1))
         hosts = rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
 
         def job_store(timeout_s: float):  # only once a Hub id needs it
-            return open_store((env["MASTER_ADDR"], int(env["MASTER_PORT"])), world, is_master=hosts,
-                              timeout_s=timeout_s)
+            return SignedStore(open_store((env["MASTER_ADDR"], int(env["MASTER_PORT"])), world, is_master=hosts,
+                                          timeout_s=timeout_s), job_key(env))  # sealed, as every rank's
 
         return NodeFetch(rank, world, int(env.get("LOCAL_RANK", 0)), env.get("GROUP_RANK") or socket.gethostname(),
                          job_store)

@@ -35,6 +35,7 @@ CLIPPING = TRUTH + "test_gradient_clipping_scales_the_step_gradient_to_max_grad_
 PADDING = TRUTH + "test_metrics_ignore_padding_pairs"
 EVAL_ODE = TRUTH + "test_evaluation_is_the_ode_whatever_the_training_noise_level"
 SMALL = "tests/test_truth_small.py::"
+UNTRUSTED = "tests/test_untrusted.py::"
 PROTOCOL = "tests/test_protocol.py::"
 PART = "tests/test_part_claims.py::"
 GRPO = "tests/test_grpo.py::"
@@ -370,8 +371,8 @@ MUTANTS = [
       "atomic_write writes in place (a crash leaves half a file)",
       SMALL + "test_an_interrupted_atomic_write_leaves_the_old_file_and_no_temporary"),
     M("rundir-no-fsync", "infra/rundir.py",
-      "            os.fsync(f.fileno())\n        os.replace(tmp, path)",
-      "            pass\n        os.replace(tmp, path)",
+      "                os.fsync(f.fileno())\n            os.replace(tmp, path)",
+      "                pass\n            os.replace(tmp, path)",
       "atomic_write renames before the data is on disk",
       SMALL + "test_an_interrupted_atomic_write_leaves_the_old_file_and_no_temporary",
       equivalent="fsync only matters if the machine loses power or the OS crashes between the rename and the "
@@ -644,4 +645,26 @@ MUTANTS = [
       '            store.set(f"node/{self.node}/result", f"error {why}")\n', "",
       "a failed download is not posted: the other ranks wait out their patience and never name its error",
       "tests/test_multinode.py::test_a_failed_download_ends_every_wait_with_its_error", timeout_s=300),
+    # --- untrusted inputs (issue 40) ----------------------------------------------------------------------
+    M("remote-deadline-per-read", "rewards/remote.py",
+      "        self._timer.start()\n", "        pass\n",
+      "a reward server's attempt is bounded per socket read only: one byte a second is read for ever",
+      UNTRUSTED + "test_a_server_dripping_its_answer_fails_the_attempt_at_its_total_deadline"),
+    M("remote-array-size-unchecked", "rewards/remote.py",
+      "    if count > MAX_ITEMS:\n", "    if False:\n",
+      "a numpy array in a server's answer may declare any number of elements",
+      UNTRUSTED + "test_a_hostile_answer_is_refused_in_one_line_naming_the_server_and_what_it_sent"),
+    M("saved-config-runs-code", "infra/saved_config.py",
+      '        refuse_code_named_by_file(saved, given, f"--config {args.config!r}")\n', "",
+      "a --config file (a shared run folder's config.json) chooses reward code to import",
+      UNTRUSTED + "test_a_saved_configuration_never_runs_the_reward_code_it_names"),
+    M("lock-after-reading", "infra/cli.py",
+      "                lock = RunLock.acquire(named)\n", "                pass\n",
+      "a run folder is read before its lock is checked (a live job's pruned checkpoint read by a second job)",
+      UNTRUSTED + "test_nothing_in_a_locked_run_folder_is_read_before_the_lock_is_checked"),
+    M("store-plain-names", "infra/jobstore.py",
+      'return "j/" + hmac.new(self._name_key, (self.prefix + key).encode(), hashlib.sha256).hexdigest()[:32]',
+      'return "j/" + self.prefix + key',
+      "the job's store keys keep their names: a neighbour can name (and so replace or delete) the one it wants",
+      UNTRUSTED + "test_the_signed_store_answers_as_a_tcp_store_and_refuses_what_it_did_not_seal"),
 ]
