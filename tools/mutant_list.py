@@ -659,7 +659,7 @@ MUTANTS = [
       "a --config file (a shared run folder's config.json) chooses reward code to import",
       UNTRUSTED + "test_a_saved_configuration_never_runs_the_reward_code_it_names"),
     M("lock-after-reading", "infra/cli.py",
-      "                lock = RunLock.acquire(named)\n", "                pass\n",
+      "                lock = RunLock.acquire(named, create=not resuming)\n", "                pass\n",
       "a run folder is read before its lock is checked (a live job's pruned checkpoint read by a second job)",
       UNTRUSTED + "test_nothing_in_a_locked_run_folder_is_read_before_the_lock_is_checked"),
     M("store-plain-names", "infra/jobstore.py",
