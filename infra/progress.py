@@ -7,8 +7,8 @@ thread is inside right now.
     with progress.inside("all-reduce"):              # a named phase that is not a trace span
         dist.all_reduce(flat, group=compute)
     progress.bump()                                  # one unit done: a forward, a pack, a fragment, a tensor
-    with progress.excused("reward"):                 # code that reports nothing (a user's reward function)
-        scores = reward_fn(images, prompts)
+    with progress.excused("reward", up_to_s=90):     # code that reports nothing (a reward function), for at
+        scores = reward_fn(images, prompts)           # most 90 s (None: as long as it takes)
     progress.finish()                                # the loop is over: shutdown reports nothing either
 
 A heartbeat only says the process is alive: a main thread blocked forever in a collective (`Work.wait()` and
@@ -21,7 +21,9 @@ fragment and step. A step may take many minutes; a unit of it takes seconds.
 Where the code reports nothing by itself, the rank is *excused*: before its loop starts (loading weights),
 after it ends (shutdown), and inside `excused` sections (a reward function, writing a checkpoint to disk).
 The watchdog then moves the counter itself (`tick`), as long as the process is alive. The price: a reward
-function or a disk that hangs forever is not caught (remote rewards have their own timeouts).
+function or a disk that hangs forever is not caught. A section that knows how long it can take says so
+(`up_to_s`: a remote reward's call ends within its requests' deadlines and retries, rewards/remote.py): past
+that it is excused no more, and a hang there is a stall like any other.
 
 Threads: the main thread bumps `count`; only the watchdog thread touches `ticks`; each thread pushes and pops
 only its own activity stack, and the watchdog reads copies of them (list and dict operations are atomic in
@@ -39,10 +41,12 @@ STARTING, RUNNING, FINISHING = "starting", "running", "finishing"
 class _Inside:
     """Context manager of one activity on the calling thread's stack (a class with slots: cheap)."""
 
-    __slots__ = ("progress", "name", "step", "excuse", "stack")
+    __slots__ = ("progress", "name", "step", "excuse", "stack", "up_to_s", "until")
 
-    def __init__(self, progress: "Progress", name: str, step: int | None, excuse: bool):
+    def __init__(self, progress: "Progress", name: str, step: int | None, excuse: bool,
+                 up_to_s: float | None = None):
         self.progress, self.name, self.step, self.excuse = progress, name, step, excuse
+        self.up_to_s, self.until = up_to_s, None
 
     def __enter__(self) -> "_Inside":
         p = self.progress
@@ -58,12 +62,17 @@ class _Inside:
                 p.step = self.step
             if self.excuse:
                 p.excused_depth += 1
+                if self.up_to_s is not None:  # the earliest end of the open bounded excuses counts
+                    self.until = time.monotonic() + self.up_to_s
+                    p.excused_until.append(self.until)
         return self
 
     def __exit__(self, *exc) -> None:
         self.stack.pop()
         if self.excuse and threading.get_ident() == self.progress.main_ident:
             self.progress.excused_depth -= 1
+            if self.until is not None:
+                self.progress.excused_until.remove(self.until)
 
 
 class Progress:
@@ -75,6 +84,7 @@ class Progress:
         self.step: int | None = None
         self.phase = STARTING
         self.excused_depth = 0
+        self.excused_until: list[float] = []  # monotonic ends of the open excuses that have one (main thread)
         self.main_ident = threading.main_thread().ident
         self.stacks: dict[int, list[tuple[str, float]]] = {}  # thread id -> [(activity, since)], innermost last
         self.thread_names: dict[int, str] = {}
@@ -89,9 +99,10 @@ class Progress:
         """`with progress.inside("all-reduce"):` what this thread is doing (does not count as progress)."""
         return _Inside(self, name, step, excuse=False)
 
-    def excused(self, name: str) -> _Inside:
-        """`with progress.excused("reward"):` a main-thread section that reports no progress of its own."""
-        return _Inside(self, name, None, excuse=True)
+    def excused(self, name: str, up_to_s: float | None = None) -> _Inside:
+        """`with progress.excused("reward"):` a main-thread section that reports no progress of its own, for at
+        most `up_to_s` seconds when it is given (beyond, the rank is not excused: it made no progress)."""
+        return _Inside(self, name, None, excuse=True, up_to_s=up_to_s)
 
     def each(self, items: Iterable) -> Iterator:
         """Yield `items`, one bump per item consumed (drops its reference before fetching the next: a just-in-time
@@ -110,7 +121,10 @@ class Progress:
 
     # --- the watchdog's side ------------------------------------------------------------------------
     def is_excused(self) -> bool:
-        return self.phase != RUNNING or self.excused_depth > 0
+        if self.phase != RUNNING:
+            return True
+        until = list(self.excused_until)  # the main thread may change it meanwhile
+        return self.excused_depth > 0 and (not until or time.monotonic() < min(until))
 
     def tick(self) -> None:
         self.ticks += 1
