@@ -21,6 +21,7 @@ are replaced by three kinds:
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import threading
 import time
@@ -143,9 +144,16 @@ def _fill(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst <- src across threads. A real destination cannot hold a fake value: it takes what is
     known of the source (tools/rehearsal/tensors.py: its shadow, or the real pieces of a buffer)
     and keeps what it had elsewhere."""
+    from tools.rehearsal import ranks
+
+    ctx = ranks.context()
     with torch.no_grad():
         if isinstance(dst, FakeTensor) or not isinstance(src, FakeTensor):
-            dst.copy_(src)
+            # the source, a fake tensor of the sender's mode, is re-made in this rank's: a copy no
+            # transport makes (gloo writes into dst), so not this rank's memory
+            # (dst was counted when it was made; copy_ makes nothing else the rank keeps)
+            with ctx.holdings.apart() if ctx is not None else contextlib.nullcontext():
+                dst.copy_(src)
         elif getattr(src, "_rehearsal_shadow", None) is not None:
             dst.copy_(src._rehearsal_shadow)
         else:

@@ -88,13 +88,29 @@ class Disk:
     def key(path) -> str:
         return str(path).replace(".partial", "")
 
-    def save(self, obj, path) -> None:
+    def save_streamed(self, state, path, produce) -> None:
+        """checkpoint_file.save's walk: each Deferred produced (a gather under FSDP, the whole
+        tensor on the host), its bytes "written", let go before the next, as the real file does."""
+        from infra import checkpoint_file
+
+        saved = {}
+        for deferred in checkpoint_file.deferred_order(state):
+            tensor = produce(deferred)
+            if tuple(tensor.shape) != tuple(deferred.shape) or tensor.dtype != deferred.dtype or \
+                    tensor.device.type != "cpu":
+                raise ValueError(f"produced a {tensor.dtype} {tuple(tensor.shape)} tensor on "
+                                 f"{tensor.device} for {deferred!r}")
+            saved[id(deferred)] = _Saved(tuple(deferred.shape), deferred.dtype)
+            del tensor
+        whole = checkpoint_file.filled(state, saved)
+
         def shape(v):
             return _Saved(tuple(v.shape), v.dtype) if isinstance(v, FakeTensor) else v
-        self.files[self.key(path)] = pytree.tree_map(shape, obj)
+        self.files[self.key(path)] = pytree.tree_map(shape, whole)
         ctx = context()
-        nbytes = sum(t.numel() * t.element_size() for t in pytree.tree_leaves(obj)
-                     if isinstance(t, torch.Tensor))
+        nbytes = sum(d.nbytes for d in checkpoint_file.deferred_order(state)) + sum(
+            t.numel() * t.element_size() for t in pytree.tree_leaves(state)
+            if isinstance(t, torch.Tensor))
         self.written[ctx.position.rank if ctx else -1] += nbytes
         with open(path, "wb") as f:  # the file must exist (fsync, rename, listing)
             f.write(b"rehearsal placeholder")
@@ -153,17 +169,21 @@ class _NoPreemption:
         pass
 
 
-def _connect(cfg, rank, world, local_rank, master, agent_store, report_silent, device, roles):
+def _connect(cfg, rank, world, local_rank, master, agent_store, report_silent, device, roles,
+             store=None):
     from infra import runtime
     from infra.progress import Progress
 
+    from infra.jobstore import SignedStore
+
     ctx = context()
-    dist.init_process_group(groups.WORLD, store=dist.PrefixStore("pg", ctx.job.store), rank=rank,
+    store = SignedStore(ctx.job.store, b"rehearsal job key")  # the job's store, sealed as in a run
+    dist.init_process_group(groups.WORLD, store=dist.PrefixStore("pg", store), rank=rank,
                             world_size=world)
     ctx.world = groups.thread_world()
     progress = Progress()
     progress.main_ident = threading.get_ident()
-    return runtime.Job(ctx.job.store, _NoWatch(), progress, _NoPreemption())
+    return runtime.Job(store, _NoWatch(), progress, _NoPreemption())
 
 
 def _load(name, path, device="cpu", dtype=torch.float32, height=None, width=None, frames=None,
@@ -375,24 +395,31 @@ def _patch_init(cls, **values) -> None:
 
 
 def _patch_io(rundir) -> None:
-    original_save, original_load = torch.save, torch.load
+    """The checkpoint's file (infra/checkpoint_file.save, streamed: each Deferred produced, written
+    and let go in turn) kept in `Disk`; torch.load of a file there reads it back; the LoRA file's
+    bytes counted."""
+    from infra import checkpoint_file
 
-    def save(obj, f, *args, **kwargs):
+    original_save, original_load = checkpoint_file.save, torch.load
+
+    def save(state, path, produce):
         ctx = context()
-        if ctx is not None and any(isinstance(t, FakeTensor) for t in pytree.tree_leaves(obj)):
-            return ctx.job.disk.save(obj, f)
-        return original_save(obj, f, *args, **kwargs)
+        if ctx is None:
+            return original_save(state, path, produce)
+        return ctx.job.disk.save_streamed(state, path, produce)
 
     def load(f, *args, **kwargs):
         ctx = context()
         if ctx is not None and Disk.key(f) in ctx.job.disk.files:
             return ctx.job.disk.load(f)
         return original_load(f, *args, **kwargs)
-    torch.save, torch.load = save, load
+    checkpoint_file.save, torch.load = save, load
     checkpoint = rundir.RunDir.save_checkpoint
 
-    def save_checkpoint(self, step, state, lora_layers, pipeline_class, lora_metadata=None):
-        return checkpoint(self, step, state, lora_layers, _LoraFile, lora_metadata)
+    def save_checkpoint(self, step, state, produce=None, lora_layers=None, pipeline_class=None,
+                        lora_metadata=None):
+        return checkpoint(self, step, state, produce, lora_layers,
+                          _LoraFile if pipeline_class is not None else None, lora_metadata)
     rundir.RunDir.save_checkpoint = save_checkpoint
 
 
