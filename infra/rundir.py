@@ -10,7 +10,9 @@ runs/<name>/
   checkpoints/step_000050/  state.pt (weights, optimizer, step, RNG, config: tensors and plain data only, loaded
                             with weights_only=True: a state.pt that would run code is refused) and, with LoRA,
                             pytorch_lora_weights.safetensors that `pipe.load_lora_weights` accepts
-                            (alpha, rank and targets in its header: diffusers' LoRA adapter metadata)
+                            (alpha, rank and targets in its header: diffusers' LoRA adapter metadata);
+                            with --ema the LoRA file holds the EMA's weights, as Flow-GRPO's save_ckpt
+                            saves them (state.pt keeps both, for --resume)
 Every file is written atomically (temporary name, flush, fsync, rename): a crash never leaves half a file.
 """
 from __future__ import annotations
@@ -421,7 +423,8 @@ def record_step(run_dir: RunDir, cfg, policy, step: int, metrics: dict, state: d
         with tracer.span("checkpoint", step=step):
             state.update(step=step + 1, rng=rng_state(), identity=identity(cfg),
                          config=dataclasses.asdict(cfg))
-            lora = models.lora_state_for_diffusers(policy.transformer, state["weights"]) if cfg.lora else None
+            saved = state.get("ema", state["weights"])  # --ema: the average (Flow-GRPO's save_ckpt)
+            lora = models.lora_state_for_diffusers(policy.transformer, saved) if cfg.lora else None
             meta = models.lora_metadata(policy.transformer) if cfg.lora else None  # alpha, rank, targets
             run_dir.save_checkpoint(step + 1, state, lora, policy.family.pipeline_class(), meta)
         run_dir.plot_rewards()
