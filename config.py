@@ -622,7 +622,7 @@ def _check_advantages(c: Config) -> None:
 
 
 SEED_LIMIT = 2**22  # trajectory seeds stay below rollout.EVAL_SEED (tests/test_evaluation.py)
-STEPS_LIMIT = 2**40
+STEPS_LIMIT = 2**28
 
 
 def _check_batches(c: Config) -> None:

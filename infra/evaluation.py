@@ -105,8 +105,9 @@ class Evaluator:
         for start, values, shown_images in parts:
             rewards[start:start + len(values)] = torch.tensor(values, dtype=torch.float32)
             grid.update(shown_images)
-        grid_images = torch.stack([grid[i] for i in range(shown)]).float() / 255 if grid else torch.empty(0)
-        return rewards, grid_images
+        if not self.writer:  # only the writer draws the grids
+            return rewards, torch.empty(0)
+        return rewards, torch.stack([grid[i] for i in range(shown)]).float() / 255
 
     def _grid_prompts(self) -> list[str]:
         """The prompts the grids show: the first GRID_PROMPTS of those evaluated (training prompts first)."""

@@ -26,7 +26,10 @@ def bad_files(tmp_path):
     (partial / "model_index.json").write_text('{"_class_name": "FluxPipeline", "transformer": ["diffusers", "X"]}')
     not_a_run = tmp_path / "not_a_run"
     not_a_run.mkdir()
-    return {"empty": str(empty), "binary": str(binary), "partial": str(partial), "not_a_run": str(not_a_run)}
+    few = tmp_path / "few.txt"  # under 10 prompts: no held-out split
+    few.write_text("a red image\na blue image\n")
+    return {"empty": str(empty), "binary": str(binary), "partial": str(partial), "not_a_run": str(not_a_run),
+            "few": str(few)}
 
 
 BAD = [
@@ -68,6 +71,17 @@ BAD = [
     (["--resume", "/nonexistent/run"], "--resume '/nonexistent/run' is not a directory"),
     (["--resume", "{not_a_run}"], "has no complete checkpoint"),
     (["--device", "tpu"], "--device 'tpu'"),
+    # issue 39: batch sizes that cannot divide the work, Flow-GRPO's step's choices
+    (["--sample-batch-size", "3"], "--sample-batch-size 3 does not divide a fragment's 8 trajectories "
+                                   "(--fragment-groups 1 x --group-size 8)"),
+    (["--sample-batch-size", "-1"], "--sample-batch-size must be >= 0"),
+    (["--eval-batch-size", "-2"], "--eval-batch-size must be >= 0"),
+    (["--kl-scale", "exact"], "--kl-scale 'exact' is not one of diffusion, step"),
+    (["--minibatches", "random"], "--minibatches 'random' is not one of samples, groups"),
+    (["--drop-zero-advantage"], "--drop-zero-advantage keeps the samples of nonzero batch advantage"),
+    (["--seed", "-1"], "--seed -1 must be in [0, 4194304)"),
+    (["--prompt-file", "{few}", "--eval-split", "test"], "--eval-split test, but the prompts (text file) have no "
+                                                         "held-out split"),
 ]
 
 
