@@ -166,3 +166,22 @@ def test_a_config_saved_before_the_tcss_rename_still_loads(tmp_path):
     assert read_saved(str(old), config.Config)["use_tcss"] is False
     assert config.from_dict({"use_async": True}).use_tcss is True
     assert config.from_dict({"use_async": True, "use_tcss": False}).use_tcss is False  # the new name wins
+
+
+def test_a_run_saved_before_flow_grpos_training_step_resumes_with_its_own(tmp_path):
+    """Catches a resume (or --config copy) of a run saved before issue 39 switching to today's training step: its
+    KL scale, ratio reference, minibatches and evaluation stay what they were; a hand-written partial file (no
+    `trace`: not a saved run) gets today's defaults."""
+    import json
+
+    import config
+    from infra.saved_config import read_saved
+
+    old = tmp_path / "config.json"
+    old.write_text(json.dumps({"model": "sd3", "beta": 0.04, "trace": True, "steps": 7}))
+    saved = read_saved(str(old), config.Config)
+    assert (saved["kl_scale"], saved["old_log_prob"], saved["minibatches"], saved["detach_uncond"],
+            saved["eval_split"]) == ("step", "fresh", "groups", False, "train+test")
+    partial = tmp_path / "recipe.json"
+    partial.write_text(json.dumps({"model": "sd3", "beta": 0.04}))
+    assert "kl_scale" not in read_saved(str(partial), config.Config)
