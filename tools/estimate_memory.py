@@ -178,6 +178,17 @@ def forward_samples(args) -> int:
     return min(args.sample_batch_size or fragment, fragment)
 
 
+class _Decode(torch.nn.Module):
+    """vae.decode as a module's forward (what MemTracker tracks)."""
+
+    def __init__(self, vae):
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, z):
+        return self.vae.decode(z, return_dict=False)[0]
+
+
 def decode_peak(model: str, args) -> dict:
     """The VAE decode of one forward batch on a rollout rank (rollout.decode_and_score: the family's decode, a
     batch at a time), bf16: the VAE's weights and the decoder's activations, tracked."""
@@ -199,10 +210,11 @@ def decode_peak(model: str, args) -> dict:
     channels = 16
     shape = (channels, h, w) if name == "AutoencoderKL" else (channels, frames or 1, h, w)
     z = torch.zeros(forward_samples(args), *shape, dtype=torch.bfloat16, device=args.device)
-    tracker = _tracker()
-    tracker.track_external(vae)
+    decode = _Decode(vae)  # the video VAEs call their decoder once per latent frame: inside a module's forward,
+    tracker = _tracker()   # MemTracker takes repeated calls (from the top level it refuses them)
+    tracker.track_external(decode)
     with tracker, torch.no_grad(), _allocator_peak(args.device) as allocator:
-        vae.decode(z, return_dict=False)
+        decode(z)
     return {"peak": tracker.get_tracker_snapshot("peak"), "allocator_peak": allocator.get("peak"),
             "vae_bytes": sum(p.numel() * p.element_size() for p in vae.parameters())}
 
