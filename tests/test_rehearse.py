@@ -18,7 +18,8 @@ pytestmark = pytest.mark.timeout(900)
 GIB = 2**30
 SMALL = ["--model", "flux", "--nproc", "3", "--rollout-ranks", "1", "--depth", "0.02",
          "--resolution", "256", "--group-size", "2", "--prompts-per-step", "2",
-         "--fragment-groups", "2", "--num-steps", "2", "--text-len", "32"]
+         "--fragment-groups", "2", "--num-steps", "2", "--text-len", "32",
+         "--sample-batch-size", "2"]
 
 
 def rehearse(tmp_path, *flags) -> dict:

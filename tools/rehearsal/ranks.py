@@ -273,9 +273,52 @@ def _plain(original):
     from torch.utils._python_dispatch import _disable_current_modes
 
     def call(*args, **kwargs):
+        ctx = context()
+        if ctx is None:
+            with _disable_current_modes():
+                return original(*args, **kwargs)
+        # fake tensors in the object (the evaluation's grid images) travel as their shapes; their
+        # bytes are counted as the pickle would carry them
+        moved = [0]
+        args = [_as_shapes(a, moved) for a in args]
+        kwargs = {k: _as_shapes(v, moved) for k, v in kwargs.items()}
+        if moved[0]:
+            ctx.job.exchange.count(ctx.position.rank, "data", "objects' tensors", moved[0])
         with _disable_current_modes():
-            return original(*args, **kwargs)
+            out = original(*args, **kwargs)
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, list):
+                a[:] = [_from_shapes(v) for v in a]
+        return out
     return call
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shape:
+    """A fake tensor inside a pickled object: what it is, not its (absent) bytes."""
+
+    shape: tuple
+    dtype: torch.dtype
+    device: str
+
+
+def _as_shapes(value, moved: list):
+    """`value` with fake tensors as _Shape (lists changed in place: object lists are in-out)."""
+    def one(v):
+        if isinstance(v, FakeTensor):
+            moved[0] += v.numel() * v.element_size()
+            return _Shape(tuple(v.shape), v.dtype, str(v.device))
+        return v
+    if isinstance(value, list):
+        value[:] = [pytree.tree_map(one, v) for v in value]
+        return value
+    return pytree.tree_map(one, value)
+
+
+def _from_shapes(value):
+    """_Shape back to a fake tensor of this rank (the caller's FakeTensorMode is current)."""
+    return pytree.tree_map(lambda v: torch.empty(v.shape, dtype=v.dtype, device=v.device)
+                           if isinstance(v, _Shape) else v, value)
 
 
 def _functional_collective(func, args) -> None:

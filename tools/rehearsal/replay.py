@@ -132,10 +132,12 @@ def install(families, trainer_cls, replay_of) -> None:
 def _wrap_forward(family, replay_of) -> None:
     original = family.forward
 
-    def forward(pipe, transformer, latents, sigma, cond, guidance, negative_cond=None):
+    def forward(pipe, transformer, latents, sigma, cond, guidance, negative_cond=None,
+                detach_uncond=False):
         replay = replay_of()
         def call():
-            return original(pipe, transformer, latents, sigma, cond, guidance, negative_cond)
+            return original(pipe, transformer, latents, sigma, cond, guidance, negative_cond,
+                            detach_uncond=detach_uncond)
         if replay is None:
             return call()
         grad = torch.is_grad_enabled()
