@@ -386,6 +386,7 @@ def install() -> None:
     runtime.load_policy = functools.partial(_load_policy, runtime.load_policy)
     models.load, rewards.build_reward = _load, _reward
     evaluation.save_panels = lambda *args, **kwargs: None  # fake images have no pixels to draw
+    _patch_eval_gather(evaluation)
     tag.Assistant.consider = _consider
     _patch_init(gap.FragmentQueue, poll_s=0.05)
     _patch_init(tag.Assistant, poll_s=0.05)
@@ -416,6 +417,39 @@ def install() -> None:
     replay.install(models.FAMILIES.values(), Trainer,
                    lambda: context().replay if context() is not None else None)
     _installed.append(True)
+
+
+def _patch_eval_gather(evaluation) -> None:
+    """The evaluation's gather over the trainers (bookkeeping's all_gather_object, run as is): a
+    stand-in trainer's part arrives as a copy of the rehearsed rank's (its data is no rehearsed
+    rank's), so it is replaced by what that rank sends: its own share of the samples (real
+    rewards: the rehearsed rank's first, repeated) and its grid images (fake, the same shape)."""
+    from rollout import eval_samples
+
+    original = evaluation.Evaluator.__init__
+
+    def init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if self.gather is None:
+            return
+        gather, evaluator = self.gather, self
+
+        def gather_parts(mine):
+            parts = gather(mine)
+            n = len(eval_samples(len(evaluator.prompts) + len(evaluator.heldout), evaluator.seeds))
+            shown = len(evaluator._grid_prompts()) * evaluator.seeds
+            template = next((image for _, _, images in parts for image in images.values()), None)
+            value = next((v for _, values, _ in parts for v in values), 0.0)
+            out = []
+            for index, part in enumerate(parts):
+                lo, hi = evaluation.share_of(n, index, len(parts))
+                if part[0] != lo or len(part[1]) != hi - lo:  # a stand-in's copy
+                    part = (lo, [value] * (hi - lo), {i: torch.empty_like(template)
+                                                      for i in range(lo, min(hi, shown))})
+                out.append(part)
+            return out
+        self.gather = gather_parts
+    evaluation.Evaluator.__init__ = init
 
 
 def _in_phase(name: str, original):
