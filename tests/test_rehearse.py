@@ -95,8 +95,10 @@ def test_full_fine_tuning_under_fsdp_is_what_the_arithmetic_says_replayed_or_not
     every = report["jobs"]["run, every call"]
     assert sum(r["replayed"] for r in run["ranks"].values()) > 0
     assert sum(r["replayed"] for r in every["ranks"].values()) == 0
-    for rank, row in run["ranks"].items():  # (the every-call run skips evaluation: cheaper)
-        for phase, peaks in every["ranks"][rank]["phases"].items():
+    for rank, row in run["ranks"].items():  # (the every-call run skips evaluation: cheaper; so
+        for phase, peaks in every["ranks"][rank]["phases"].items():  # a trainer's decode and reward
+            if row["role"] != "rollout" and phase in ("decode", "reward"):  # differ: eval's are in
+                continue
             assert row["phases"][phase]["device"] == pytest.approx(peaks["device"], rel=0.02), (
                 rank, phase)
 

@@ -439,6 +439,12 @@ def _patch_eval_gather(evaluation) -> None:
             n = len(eval_samples(len(evaluator.prompts) + len(evaluator.heldout), evaluator.seeds))
             shown = len(evaluator._grid_prompts()) * evaluator.seeds
             template = next((image for _, _, images in parts for image in images.values()), None)
+            if template is None:  # the rehearsed rank's share has no grid image (more ranks than
+                import models  # samples): one of the decode's shape, [3, H, W] or [F, 3, H, W]
+                cfg = context().job.cfg
+                h, w = cfg.resolution, cfg.width or cfg.resolution
+                shape = (cfg.frames, 3, h, w) if models.get_family(cfg.model).is_video else (3, h, w)
+                template = torch.empty(shape, dtype=torch.uint8)
             value = next((v for _, values, _ in parts for v in values), 0.0)
             out = []
             for index, part in enumerate(parts):
