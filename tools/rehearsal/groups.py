@@ -140,19 +140,22 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def holdings_of():
+    """The calling rank's tensors.Holdings, or None (ranks.install sets it: a rank's context)."""
+    return None
+
+
 def _fill(dst: torch.Tensor, src: torch.Tensor) -> None:
     """dst <- src across threads. A real destination cannot hold a fake value: it takes what is
     known of the source (tools/rehearsal/tensors.py: its shadow, or the real pieces of a buffer)
     and keeps what it had elsewhere."""
-    from tools.rehearsal import ranks
-
-    ctx = ranks.context()
+    holdings = holdings_of()
     with torch.no_grad():
         if isinstance(dst, FakeTensor) or not isinstance(src, FakeTensor):
             # the source, a fake tensor of the sender's mode, is re-made in this rank's: a copy no
             # transport makes (gloo writes into dst), so not this rank's memory
             # (dst was counted when it was made; copy_ makes nothing else the rank keeps)
-            with ctx.holdings.apart() if ctx is not None else contextlib.nullcontext():
+            with holdings.apart() if holdings is not None else contextlib.nullcontext():
                 dst.copy_(src)
         elif getattr(src, "_rehearsal_shadow", None) is not None:
             dst.copy_(src._rehearsal_shadow)

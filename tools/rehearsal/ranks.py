@@ -387,6 +387,7 @@ def install() -> None:
     models.load, rewards.build_reward = _load, _reward
     evaluation.save_panels = lambda *args, **kwargs: None  # fake images have no pixels to draw
     _patch_eval_gather(evaluation)
+    groups.holdings_of = lambda: context().holdings if context() is not None else None
     tag.Assistant.consider = _consider
     _patch_init(gap.FragmentQueue, poll_s=0.05)
     _patch_init(tag.Assistant, poll_s=0.05)
