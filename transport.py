@@ -18,10 +18,12 @@ one latency instead of ~20; this matters on gloo/TCP where each message is a rou
 Weights are (version, count), then consecutive tensors packed into flat buckets of at most
 PUBLISH_BUCKET_BYTES (one broadcast each: a model of many small tensors costs one round trip, not
 one per tensor); a larger tensor goes alone, so the sender never holds more than a bucket plus one
-tensor.
+tensor. Publishing 24-41 GB of full weights over gloo takes minutes: the sender reports progress per
+tensor (the weights it iterates, trainer.iter_full_weights), the receiver per bucket.
 """
 from __future__ import annotations
 
+import contextlib
 import queue as queue_lib
 import threading
 from collections.abc import Callable, Iterable
@@ -179,11 +181,12 @@ def fits_bucket(bucket: list[tuple[int, torch.dtype]], nbytes: int, dtype: torch
 
 def publish_weights(tensors: Iterable[torch.Tensor], count: int, version: int, src: int, group,
                     dtypes: list[torch.dtype] | None = None,
-                    bucket_bytes: int = PUBLISH_BUCKET_BYTES) -> None:
+                    bucket_bytes: int | None = None) -> None:
     """The sender: broadcast (version, count) then the `count` tensors as CPU tensors in `dtypes`
-    (the receivers' parameter dtypes), packed into buckets. `tensors` may gather each one just in
-    time (FSDP), so at most one bucket, its flat copy and one whole tensor are held here at once.
-    count 0: the header only."""
+    (the receivers' parameter dtypes), packed into buckets (of PUBLISH_BUCKET_BYTES unless given).
+    `tensors` may gather each one just in time (FSDP), so at most one bucket, its flat copy and one
+    whole tensor are held here at once. count 0: the header only."""
+    bucket_bytes = bucket_bytes or PUBLISH_BUCKET_BYTES
     dist.broadcast(torch.tensor([version, count], dtype=torch.int64), src=src, group=group)
     bucket: list[torch.Tensor] = []
     # (bytes, dtype) of the bucket's tensors: what fits_bucket reads
@@ -214,14 +217,18 @@ def publish_weights(tensors: Iterable[torch.Tensor], count: int, version: int, s
 
 
 def receive_buckets(src: int, group, shapes: list[tuple[torch.Size, torch.dtype]],
-                    bucket_bytes: int = PUBLISH_BUCKET_BYTES) -> list[torch.Tensor]:
-    """The publisher's buckets, cut the same way (fits_bucket); returns one view per weight."""
+                    bucket_bytes: int | None = None,
+                    on_bucket: Callable[[], None] = lambda: None) -> list[torch.Tensor]:
+    """The publisher's buckets, cut the same way (fits_bucket); returns one view per weight.
+    `on_bucket()` after each bucket arrived."""
+    bucket_bytes = bucket_bytes or PUBLISH_BUCKET_BYTES
     buffers: list[torch.Tensor] = []
     bucket: list[tuple[int, torch.dtype]] = []
 
     def take() -> None:
         flat = torch.empty(sum(b for b, _ in bucket) // bucket[0][1].itemsize, dtype=bucket[0][1])
         dist.broadcast(flat, src=src, group=group)
+        on_bucket()
         offset = 0
         for shape, _ in shapes[len(buffers):len(buffers) + len(bucket)]:
             buffers.append(flat[offset:offset + shape.numel()].view(shape))
@@ -239,17 +246,25 @@ def receive_buckets(src: int, group, shapes: list[tuple[torch.Size, torch.dtype]
 
 
 def receive_weights(src: int, group, shapes: list[tuple[torch.Size, torch.dtype]],
-                    bucket_bytes: int = PUBLISH_BUCKET_BYTES) -> tuple[int, list[torch.Tensor]]:
+                    bucket_bytes: int | None = None, progress=None) -> tuple[int, list[torch.Tensor]]:
     """The receiver (blocks until the next publish): (version, one tensor per weight); (version, [])
-    for a header-only message (tcss.STOP)."""
+    for a header-only message (tcss.STOP). `progress` (infra.progress.Progress): the wait for the
+    next publish is idle, receiving one is a named phase with a unit of progress per bucket."""
     header = torch.empty(2, dtype=torch.int64)
-    dist.broadcast(header, src=src, group=group)
+    with _inside(progress, "next publish", idle=True):
+        dist.broadcast(header, src=src, group=group)
     version, count = int(header[0]), int(header[1])
     if count == 0:
         return version, []
     if count != len(shapes):
         raise RuntimeError(f"published weights have {count} tensors, this model has {len(shapes)}")
-    return version, receive_buckets(src, group, shapes, bucket_bytes)
+    with _inside(progress, "receive weights"):
+        return version, receive_buckets(src, group, shapes, bucket_bytes,
+                                        progress.bump if progress is not None else lambda: None)
+
+
+def _inside(progress, name: str, idle: bool = False):
+    return progress.inside(name, idle=idle) if progress is not None else contextlib.nullcontext()
 
 
 # --- TSP's commands -------------------------------------------------------------------------------

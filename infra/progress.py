@@ -1,31 +1,37 @@
-"""A rank's progress, what liveness watches: a counter its main thread bumps per unit of work, and what each
-thread is inside right now.
+"""A rank's progress, what liveness watches: counters its threads bump per unit of work, and what each thread is
+inside right now.
 
     progress = Progress()
     tracer = Tracer(rank, role, progress=progress)  # every span also says what its thread is inside
-    progress.start()                                 # the rank's loop begins: from now on the counter must move
-    with progress.inside("all-reduce"):              # a named phase that is not a trace span
-        dist.all_reduce(flat, group=compute)
-    progress.bump()                                  # one unit done: a forward, a pack, a fragment, a tensor
+    with progress.inside("process groups"):          # a named phase that is not a trace span
+        groups = comm.build_groups(...)
+    progress.bump()                                  # one unit done: a forward, a pack, a fragment, a tensor, a bucket
     with progress.excused("reward"):                 # code that reports nothing (a user's reward function)
         scores = reward_fn(images, prompts)
-    progress.finish()                                # the loop is over: shutdown reports nothing either
+    with progress.inside("next publish", idle=True): # a background thread waiting for work, not doing it
+        header = receive_header()
+    progress.start()                                 # start-up is over: the rank's loop begins
+    progress.finish()                                # the loop is over: shutdown
 
 A heartbeat only says the process is alive: a main thread blocked forever in a collective (`Work.wait()` and
 `torch.cuda.synchronize()` release the GIL) leaves the heartbeat thread beating. So the liveness watchdog
 (infra/liveness.py) publishes `value()` and `describe()` of this object and ends the job when no rank's value
 has moved for --timeout-s. What bumps it: every transformer forward (generation, evaluation, training, the
-KL reference: models.Policy.on_forward), every trained pack, every published or checkpointed tensor, every
-fragment and step. A step may take many minutes; a unit of it takes seconds.
+KL reference: models.Policy.on_forward), every trained pack, every published, received, checkpointed or
+resumed tensor or bucket, every fragment and step, every start-up milestone. A step may take many minutes;
+a unit of it takes seconds.
 
-Where the code reports nothing by itself, the rank is *excused*: before its loop starts (loading weights),
-after it ends (shutdown), and inside `excused` sections (a reward function, writing a checkpoint to disk).
-The watchdog then moves the counter itself (`tick`), as long as the process is alive. The price: a reward
-function or a disk that hangs forever is not caught (remote rewards have their own timeouts).
+Where the code cannot report anything (loading the pipeline, building the reward, a reward function, writing
+the run directory or the trace), it runs inside an `excused` section: the watchdog moves the counter itself
+(`tick`) while the process is alive, but only for --excused-timeout-s since the section began or since the
+main thread last bumped inside it (infra/liveness.py); past that the section's silence counts like any other,
+so a disk, a download or a reward that hangs is found. Start-up and shutdown are not excused as such: their
+collectives ("connect", "process groups", "align clocks", "resume", "trace gather", "last barrier") are named
+phases, and each finished one is a bump.
 
-Threads: the main thread bumps `count`; only the watchdog thread touches `ticks`; each thread pushes and pops
-only its own activity stack, and the watchdog reads copies of them (list and dict operations are atomic in
-CPython), so nothing here takes a lock.
+Threads: the main thread bumps `count`; another thread bumps its own entry of `others` (one writer per entry);
+only the watchdog thread touches `ticks`; each thread pushes and pops only its own activity stack, and the
+watchdog reads copies of them (list and dict operations are atomic in CPython), so nothing here takes a lock.
 """
 from __future__ import annotations
 
@@ -39,10 +45,10 @@ STARTING, RUNNING, FINISHING = "starting", "running", "finishing"
 class _Inside:
     """Context manager of one activity on the calling thread's stack (a class with slots: cheap)."""
 
-    __slots__ = ("progress", "name", "step", "excuse", "stack")
+    __slots__ = ("progress", "name", "step", "excuse", "idle", "stack")
 
-    def __init__(self, progress: "Progress", name: str, step: int | None, excuse: bool):
-        self.progress, self.name, self.step, self.excuse = progress, name, step, excuse
+    def __init__(self, progress: "Progress", name: str, step: int | None, excuse: bool, idle: bool = False):
+        self.progress, self.name, self.step, self.excuse, self.idle = progress, name, step, excuse, idle
 
     def __enter__(self) -> "_Inside":
         p = self.progress
@@ -52,11 +58,14 @@ class _Inside:
             stack = p.stacks[ident] = []
             p.thread_names[ident] = threading.current_thread().name
         self.stack = stack
-        stack.append((self.name, time.monotonic()))
+        now = time.monotonic()
+        stack.append((self.name, now, self.idle))
         if ident == p.main_ident:
             if self.step is not None:
                 p.step = self.step
             if self.excuse:
+                if p.excused_depth == 0:
+                    p.excused_at = now
                 p.excused_depth += 1
         return self
 
@@ -67,30 +76,39 @@ class _Inside:
 
 
 class Progress:
-    """This rank's progress counter, step and activities (see the module docstring)."""
+    """This rank's progress counters, step and activities (see the module docstring)."""
 
     def __init__(self):
         self.count = 0  # bumped by the main thread
-        self.ticks = 0  # moved by the watchdog while the main thread is excused
+        self.others: dict[int, int] = {}  # thread id -> units another thread bumped (its own entry only)
+        self.ticks = 0  # moved by the watchdog while the main thread is excused (within its patience)
         self.step: int | None = None
         self.phase = STARTING
         self.excused_depth = 0
+        self.excused_at = 0.0  # when the outermost excused section of the main thread began (monotonic)
         self.main_ident = threading.main_thread().ident
-        self.stacks: dict[int, list[tuple[str, float]]] = {}  # thread id -> [(activity, since)], innermost last
+        self.stacks: dict[int, list[tuple[str, float, bool]]] = {}  # thread id -> [(activity, since, idle)]
         self.thread_names: dict[int, str] = {}
 
     # --- the rank's code ------------------------------------------------------------------------
     def bump(self, step: int | None = None) -> None:
-        self.count += 1
+        """One unit of work done, on any thread."""
+        ident = threading.get_ident()
+        if ident == self.main_ident:
+            self.count += 1
+        else:
+            self.others[ident] = self.others.get(ident, 0) + 1
         if step is not None:
             self.step = step
 
-    def inside(self, name: str, step: int | None = None) -> _Inside:
-        """`with progress.inside("all-reduce"):` what this thread is doing (does not count as progress)."""
-        return _Inside(self, name, step, excuse=False)
+    def inside(self, name: str, step: int | None = None, idle: bool = False) -> _Inside:
+        """`with progress.inside("all-reduce"):` what this thread is doing (does not count as progress). `idle`: a
+        background thread waiting for work (the mailbox between publishes), named only when nothing else is."""
+        return _Inside(self, name, step, excuse=False, idle=idle)
 
     def excused(self, name: str) -> _Inside:
-        """`with progress.excused("reward"):` a main-thread section that reports no progress of its own."""
+        """`with progress.excused("reward"):` a main-thread section that reports no progress of its own, excused
+        for --excused-timeout-s (infra/liveness.py)."""
         return _Inside(self, name, None, excuse=True)
 
     def each(self, items: Iterable) -> Iterator:
@@ -99,7 +117,7 @@ class Progress:
         for item in items:
             yield item
             del item
-            self.count += 1
+            self.bump()
 
     def start(self) -> None:
         self.phase = RUNNING
@@ -109,32 +127,35 @@ class Progress:
         self.phase = FINISHING
 
     # --- the watchdog's side ------------------------------------------------------------------------
-    def is_excused(self) -> bool:
-        return self.phase != RUNNING or self.excused_depth > 0
+    def excused_since(self) -> float | None:
+        """When the main thread's current excused section began (time.monotonic()); None outside one."""
+        return self.excused_at if self.excused_depth > 0 else None
 
     def tick(self) -> None:
         self.ticks += 1
 
     def value(self) -> int:
-        return self.count + self.ticks
+        return self.count + self.ticks + sum(list(self.others.values()))
 
     def describe(self) -> str:
-        """What the rank is inside: the innermost activity of the thread that has been in its own the longest
-        (a sender thread stuck in "send" says more than the main thread waiting for weights because of it),
-        with the main thread's when that is another one, and the step."""
+        """What the rank is inside: the innermost activity of a background thread busy in one (a sender stuck
+        in "send", a mailbox in "receive weights" say more than the main thread waiting for them), the longest
+        first, else the main thread's, else a thread idly waiting for work; with the main thread's when that is
+        another one, and the step."""
         innermost = []
         for ident, stack in list(self.stacks.items()):
             stack = list(stack)
             if stack:
-                name, since = stack[-1]
-                innermost.append((since, ident != self.main_ident, name, self.thread_names.get(ident, "?"), ident))
+                name, since, idle = stack[-1]
+                main = ident == self.main_ident
+                innermost.append((idle, main, since, name, self.thread_names.get(ident, "?"), ident))
         if not innermost:
             where = "outside any named phase"
         else:
-            since, _, name, thread, ident = min(innermost)
+            _, _, since, name, thread, ident = min(innermost)
             where = f'inside "{name}"'
             if ident != self.main_ident:
-                main = [f'"{n}"' for _, _, n, _, i in innermost if i == self.main_ident]
+                main = [f'"{n}"' for _, _, _, n, _, i in innermost if i == self.main_ident]
                 where += f" (thread {thread}; main thread inside {main[0] if main else 'no named phase'})"
         if self.phase != RUNNING:
             where += f", {self.phase}"

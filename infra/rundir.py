@@ -22,6 +22,7 @@ import os
 import pickle
 import random
 import shutil
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -219,14 +220,16 @@ class RunDir:
 
     # --- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, step: int, state: dict, lora_layers: dict | None, pipeline_class,
-                        lora_metadata: dict | None = None) -> str:
+                        lora_metadata: dict | None = None, on_write: Callable[[], None] | None = None) -> str:
         """`lora_metadata` (models.lora_metadata: rank, alpha, targets) goes into the LoRA file's header, where
-        `pipe.load_lora_weights` reads it back."""
+        `pipe.load_lora_weights` reads it back. `on_write()` after every record written to state.pt (one per
+        tensor: liveness' progress while minutes of a large checkpoint go to disk)."""
         final = os.path.join(self.path, "checkpoints", f"step_{step:06d}")
         tmp = final + ".partial"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        torch.save(state, os.path.join(tmp, "state.pt"))
+        with open(os.path.join(tmp, "state.pt"), "wb") as f:
+            torch.save(state, _Reporting(f, on_write) if on_write is not None else f)
         with open(os.path.join(tmp, "meta.json"), "w") as f:  # what --resume checks, without loading state.pt
             json.dump({"step": state["step"], "identity": state["identity"]}, f)
         if lora_layers is not None:
@@ -240,6 +243,21 @@ class RunDir:
         for old in list_checkpoints(self.path)[:-self.keep]:
             shutil.rmtree(old, ignore_errors=True)
         return final
+
+
+class _Reporting:
+    """A file that calls `on_write()` after each write (torch.save writes each tensor's record in one call)."""
+
+    def __init__(self, file, on_write: Callable[[], None]):
+        self.file, self.on_write = file, on_write
+
+    def write(self, data) -> int:
+        written = self.file.write(data)
+        self.on_write()
+        return written
+
+    def flush(self) -> None:
+        self.file.flush()
 
 
 def list_checkpoints(run_path: str) -> list[str]:
@@ -296,6 +314,11 @@ def _meta(checkpoint: str) -> dict:
 
 def checkpoint_step(checkpoint: str) -> int:
     return int(_meta(checkpoint)["step"])
+
+
+def first_step(cfg) -> int:
+    """The step a run starts at: 0, or the step of --resume's last checkpoint."""
+    return checkpoint_step(check_resume(cfg.resume, cfg)) if cfg.resume else 0
 
 
 def check_resume(run_path: str, cfg) -> str:
@@ -411,9 +434,10 @@ def open_run_dir(cfg, steps) -> RunDir:
     return run_dir
 
 
-def record_step(run_dir: RunDir, cfg, policy, step: int, metrics: dict, state: dict | None, tracer) -> None:
+def record_step(run_dir: RunDir, cfg, policy, step: int, metrics: dict, state: dict | None, tracer,
+                on_write: Callable[[], None] | None = None) -> None:
     """The leader's end of a step: the metrics row; with `state` (Trainer.checkpoint_state), a checkpoint (and the
-    LoRA file diffusers loads) and the reward curve."""
+    LoRA file diffusers loads; `on_write` per record written) and the reward curve."""
     import models
 
     run_dir.log(step, metrics)
@@ -423,5 +447,5 @@ def record_step(run_dir: RunDir, cfg, policy, step: int, metrics: dict, state: d
                          config=dataclasses.asdict(cfg))
             lora = models.lora_state_for_diffusers(policy.transformer, state["weights"]) if cfg.lora else None
             meta = models.lora_metadata(policy.transformer) if cfg.lora else None  # alpha, rank, targets
-            run_dir.save_checkpoint(step + 1, state, lora, policy.family.pipeline_class(), meta)
+            run_dir.save_checkpoint(step + 1, state, lora, policy.family.pipeline_class(), meta, on_write)
         run_dir.plot_rewards()

@@ -1,0 +1,132 @@
+"""The stall-and-slow matrix (issue 38): for every blocking point of a run (each collective, store wait,
+send/recv, checkpoint and publish I/O, model loading, start-up and resume), found from the calls the
+communication contract records (tests/inject/comm_recorder.py: every torch.distributed call and every wait of
+the project's own code, with the phase liveness would name), a real job of main.py's ranks
+- stalled there on one rank ends within --timeout-s plus a bound (--excused-timeout-s first where the phase
+  reports nothing of its own), the report naming the rank and the point;
+- slowed there to several times --timeout-s while it keeps reporting progress finishes (one run slows every
+  point at once).
+A blocking point without its row fails test_every_blocking_point_has_a_row (and test_comm_contract's layouts
+are checked the same way), so a collective added later is covered or the suite says so.
+The rows, the jobs and the faults: tests/stall_matrix.py, tests/inject/faults.py.
+"""
+import os
+import re
+import shutil
+
+import pytest
+
+import stall_matrix as sm
+
+pytestmark = pytest.mark.timeout(900)
+T = sm.TIMEOUT_S
+BOUND_S = 30.0  # after --timeout-s (and --excused-timeout-s): the watchdog's interval, the launcher's teardown, load
+EXCUSED_S = 2 * T  # --excused-timeout-s of a job stalled in an excused phase (healthy phases: the default, 4 T)
+
+
+def expected(phase: str, row: sm.Row) -> str:
+    role = sm.ROLES[row.layout][row.rank]
+    named = re.escape(row.names or phase)
+    thread = rf" \(thread {row.thread}" if row.thread else ""
+    return rf'{role} rank {row.rank} made no progress for \d+ s inside "{named}"{thread}'
+
+
+@pytest.mark.parametrize("phase", list(sm.ROWS))
+def test_a_rank_stalled_at_a_blocking_point_ends_the_job_naming_it(phase, tiny_cache, tmp_path, capfd, request):
+    """Catches a blocking point liveness cannot see or name: a phase excused without bound (start-up, resume and
+    shutdown were, issue 38 defect 1: a trainer hung in load_checkpoint_state was still hung after 25 min), a
+    blocking call outside any named phase ("outside any named phase" names nothing), a wait with a deadline of its
+    own instead of liveness'. One rank blocks for ever on entering the phase (its heartbeat keeps beating); the
+    job must end within --timeout-s + BOUND_S of it (excused phases: + --excused-timeout-s), the launcher's report
+    naming that rank inside that phase, as a stall, not as a silent rank."""
+    row = sm.ROWS[phase]
+    args = [*sm.LAYOUTS[row.layout], *row.args, "--steps", str(row.steps + (1 if row.resume else 0))]
+    limit = T + (EXCUSED_S if row.excused else 0)
+    if row.excused:
+        args += ["--excused-timeout-s", f"{EXCUSED_S:g}"]
+    if row.resume:  # a checkpoint of step 1, resumed in a copy
+        shutil.copytree(request.getfixturevalue("checkpointed"), tmp_path / "job")
+        args += ["--resume", str(tmp_path / "job")]
+    mark = tmp_path / "stalled_at"
+    stall = {"stall": {"rank": row.rank, "phase": phase, "nth": row.nth, "mark": str(mark)}}
+    capfd.readouterr()
+    job = sm.run_job(args, tmp_path, "job", tiny_cache, bound_s=600, faults=stall,
+                     inject=("scripted_schedule",) if row.scripted else (), after_mark_s=limit + 2 * BOUND_S)
+    report = "\n".join(line for line in capfd.readouterr().err.splitlines() if line.startswith("[digenrl]"))
+    assert mark.exists(), f"the job never reached {phase!r} on rank {row.rank}:\n{report}\n{job.log[-4000:]}"
+    took = job.ended - float(mark.read_text())
+    assert not job.killed_by_test, f"still running {took:.0f} s after the stall (the test killed it):\n" \
+                                   f"{report}\n{job.log[-4000:]}"
+    assert job.code != 0 and took < limit + BOUND_S, f"ended {took:.0f} s after the stall:\n{report}"
+    assert "no rank made progress" in report and "no sign of life" not in report, f"\n{report}"
+    assert re.search(expected(phase, row), report), f"\n{expected(phase, row)}\nnot in\n{report}"
+
+
+
+@pytest.fixture(scope="module")
+def checkpointed(tiny_cache, tmp_path_factory):
+    """A run of one step with its checkpoint: what the resume row and the slow run resume."""
+    folder = tmp_path_factory.mktemp("checkpointed")
+    job = sm.run_job([*sm.LAYOUTS["fsdp"], *sm.SAVE, "--steps", "1", "--timeout-s", "60"], folder, "run",
+                     tiny_cache, bound_s=600)  # healthy: a --timeout-s that no load can trip
+    assert job.code == 0, job.log[-4000:]
+    return folder / "run"
+
+
+@pytest.fixture(scope="module")
+def slow_run(checkpointed, tiny_cache, tmp_path_factory):
+    """Every row's point slowed at once (stall_matrix.slow_faults) in one job that resumes `checkpointed` for two
+    more steps, with evaluation, checkpoints, the trace and TAG / TCSS at scripted moments; its calls recorded."""
+    folder = tmp_path_factory.mktemp("slow")
+    stats, record = folder / "stats", folder / "calls"
+    stats.mkdir(), record.mkdir()
+    shutil.copytree(checkpointed, folder / "run")
+    args = [*sm.LAYOUTS["fsdp"], *sm.EVAL, *sm.SAVE, *sm.TRACE, "--steps", "3", "--resume", str(folder / "run"),
+            "--excused-timeout-s", f"{sm.SLOW_EXCUSED_S:g}", "--timeout-s", f"{T:g}"]
+    job = sm.run_job(args, folder, "run", tiny_cache, bound_s=600, faults=sm.slow_faults(str(stats)),
+                     comm_log=str(record), inject=("scripted_schedule",))
+    return job, sm.read_stats(stats), sm.read_record(record)
+
+
+def test_every_blocking_point_slowed_to_several_timeouts_the_job_finishes(slow_run):
+    """Catches a long phase that reports no progress (issue 38 defect 2: publishing full weights was none, and a
+    healthy job publishing for 3 x --timeout-s was killed "inside publish"), an excuse that is too short, a wait
+    with a deadline: every point slowed at once, on its row's rank (a unit never longer than T / 8, many of them),
+    and the job must finish. Each "stay" row's rank, or a peer waiting for it, stayed 3 T at a time in the point;
+    each "total" row's phase 3 T over the run; each "call" row was slowed by T / 2."""
+    job, stats, _ = slow_run
+    assert job.code == 0, f"the slowed job failed ({job.took_s:.0f} s):\n{job.log[-5000:]}"
+    table = "\n".join(f"{phase:28} " + "  ".join(
+        f"r{r}: {s[phase]['longest_s']:5.1f} {s[phase]['total_s']:6.1f} +{s[phase]['added_s']:4.1f}"
+        if phase in s else f"r{r}:  -" for r, s in sorted(stats.items()))
+        for phase in sorted({p for s in stats.values() for p in s}))
+    print(table)
+    short = []
+    for phase, row in sm.ROWS.items():
+        if row.layout != "fsdp":
+            continue
+        seen = [s[phase] for s in stats.values() if phase in s]
+        mine = stats[row.rank].get(phase, {})
+        if row.slow == "stay":
+            ok = bool(seen) and max(x["longest_s"] for x in seen) >= 3 * T
+        elif row.slow == "total":
+            ok = bool(seen) and max(x["total_s"] for x in seen) >= 3 * T
+        else:  # "unit" and "call": slowed on the row's rank
+            ok = mine.get("added_s", 0) >= (T / 2 if row.slow == "call" else T / 8)
+        if not ok:
+            short.append(phase)
+    assert not short, f"not slowed to 3 x --timeout-s: {short}\n(longest stay, total stay, + added, per rank)\n{table}"
+    # the colocated layout's one point: tests/test_liveness.py's colocated run waits in it while a peer's reward is slow
+    assert [p for p, row in sm.ROWS.items() if row.layout != "fsdp"] == ["all-reduce"]
+
+
+def test_every_blocking_point_has_a_row(slow_run):
+    """Catches a blocking point without its row (a collective, a wait or an excused section added later) and a
+    blocking call outside any named phase (a stall there would be reported as "outside any named phase"): the
+    points of the slow run's record, every rank and thread (tests/test_comm_contract.py checks its layouts the
+    same way)."""
+    points, unnamed = sm.blocking_points(slow_run[2])
+    assert not unnamed, f"blocking calls outside any named phase: {unnamed}"
+    missing = {p: what for p, what in points.items() if p not in sm.ROWS}
+    assert not missing, f"blocking points without a row in tests/stall_matrix.py ROWS: {missing}"
+    assert {"resume", "publish", "load the pipeline"} <= set(points)  # the record saw the run: its difference counts
