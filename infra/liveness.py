@@ -215,6 +215,10 @@ class Liveness:
             if silent:
                 r = silent[0]
                 self._kill_if_local(r)
+                if r not in self.where:
+                    self._fail(f"{self.describe(r)} never joined the job: no sign of life in {now - started:.0f} s "
+                               f"(--excused-timeout-s {self.excused_timeout_s:g} + --timeout-s {self.timeout_s:g}); "
+                               f"seen by {self.describe(self.rank)}", FROZEN)
                 self._fail(f"{self.describe(r)} showed no sign of life for {now - moved[r]:.0f} s "
                            f"(--timeout-s {self.timeout_s:g}): it froze, died or cannot reach the store; "
                            f"seen by {self.describe(self.rank)}", FROZEN)

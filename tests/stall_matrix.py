@@ -181,7 +181,8 @@ class Row:
     scripted: bool = False  # TAG and TCSS at scripted moments (tests/inject/scripted_schedule.py)
     names: str | None = None  # the phase the report names for this rank, when not the point's own (an idle wait)
     thread: str | None = None  # a background thread's phase: the report names the thread
-    resume: bool = False  # resumes a checkpoint of the slow run
+    resume: bool = False  # resumes a checkpoint (test_stall_matrix.py's `checkpointed`)
+    function: str | None = None  # stall inside this function instead ("module:qualname"), where a defect was found
     # The slow half (slow_faults), what the slowed run must show: "stay", a rank stayed 3 T at a time in the
     # phase (a wait while a peer works, a phase of many units, an excused phase inside its patience); "total",
     # 3 T over the run in a phase entered per fragment or update, made of units that report progress; "unit",
@@ -196,9 +197,10 @@ ROWS = {
     "connect": Row("fsdp", 2, slow="call"),
     "process groups": Row("fsdp", 2, slow="call"),
     "align clocks": Row("fsdp", 2, slow="call"),
-    "load the pipeline": Row("fsdp", 2, excused=True),
+    "load the pipeline": Row("fsdp", 2, excused=True, function="models:load"),
     "build the reward": Row("fsdp", 0, excused=True),
-    "resume": Row("fsdp", 2, resume=True),  # reading a checkpoint (and, under FSDP, DTensor's scatter)
+    # reading a checkpoint (and, under FSDP, DTensor's scatter); issue 38 defect 1 was found hung in here
+    "resume": Row("fsdp", 2, resume=True, function="trainer:Trainer.load_checkpoint_state"),
     # the rollout rank
     "wait": Row("fsdp", 0),  # for the weights of its step (trainers: for the next fragment, the same code path)
     "reward": Row("fsdp", 0, excused=True),

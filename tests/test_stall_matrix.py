@@ -13,6 +13,9 @@ The rows, the jobs and the faults: tests/stall_matrix.py, tests/inject/faults.py
 import os
 import re
 import shutil
+import signal
+import threading
+import time
 
 import pytest
 
@@ -48,7 +51,8 @@ def test_a_rank_stalled_at_a_blocking_point_ends_the_job_naming_it(phase, tiny_c
         shutil.copytree(request.getfixturevalue("checkpointed"), tmp_path / "job")
         args += ["--resume", str(tmp_path / "job")]
     mark = tmp_path / "stalled_at"
-    stall = {"stall": {"rank": row.rank, "phase": phase, "nth": row.nth, "mark": str(mark)}}
+    where = {"function": row.function} if row.function else {"phase": phase}
+    stall = {"stall": {"rank": row.rank, **where, "nth": row.nth, "mark": str(mark)}}
     capfd.readouterr()
     job = sm.run_job(args, tmp_path, "job", tiny_cache, bound_s=600, faults=stall,
                      inject=("scripted_schedule",) if row.scripted else (), after_mark_s=limit + 2 * BOUND_S)
@@ -130,3 +134,52 @@ def test_every_blocking_point_has_a_row(slow_run):
     missing = {p: what for p, what in points.items() if p not in sm.ROWS}
     assert not missing, f"blocking points without a row in tests/stall_matrix.py ROWS: {missing}"
     assert {"resume", "publish", "load the pipeline"} <= set(points)  # the record saw the run: its difference counts
+
+
+def _stalled_then_signalled(phase, rank, args, tmp_path, cache, function=None):
+    """A job stalled in `phase` on `rank`; once it is, every rank gets SIGTERM (as torchrun's agent or a scheduler
+    sends it). Returns (job, seconds from the signal to the job's end, the ranks' log)."""
+    mark = tmp_path / "stalled_at"
+    where = {"function": function} if function else {"phase": phase}
+    signalled = {}
+
+    def signal_when_stalled():
+        while not mark.exists():
+            time.sleep(0.1)
+        time.sleep(0.5)
+        signalled["at"] = time.time()
+        for name in os.listdir(tmp_path / "job.pids"):
+            try:
+                os.kill(int((tmp_path / "job.pids" / name).read_text()), signal.SIGTERM)
+            except (OSError, ValueError):
+                pass
+
+    threading.Thread(target=signal_when_stalled, daemon=True).start()
+    job = sm.run_job(args, tmp_path, "job", cache, bound_s=300,
+                     faults={"stall": {"rank": rank, **where, "nth": 1, "mark": str(mark)}}, after_mark_s=120)
+    assert "at" in signalled and not job.killed_by_test, f"still running after SIGTERM:\n{job.log[-4000:]}"
+    return job, job.ended - signalled["at"], job.log
+
+
+def test_sigterm_while_a_rank_is_starting_stops_the_job_at_once(tiny_cache, tmp_path):
+    """Catches a stop request that only asks for "stop after this step" where no step can come: a trainer hung
+    while loading the pipeline (excused here for 600 s) kept the job alive through SIGTERM (issue 38 defect 1;
+    tools/gpu_session.sh's `timeout` sends one). A rank still starting has nothing to save and exits at once."""
+    args = [*sm.LAYOUTS["fsdp"], "--steps", "1", "--excused-timeout-s", "600"]
+    job, took, log = _stalled_then_signalled("load the pipeline", 2, args, tmp_path, tiny_cache, "models:load")
+    assert job.code != 0 and took < BOUND_S, (took, log[-3000:])
+    assert "rank 2: SIGTERM while starting: nothing to save yet, stopping at once" in log, log[-3000:]
+
+
+def test_sigterm_ends_a_job_stuck_in_an_excused_phase_after_the_grace(tiny_cache, tmp_path):
+    """Catches a stop request that waits for a step that cannot end: the leader hung writing the run directory
+    (an excused phase, excused here for 600 s), every rank asked to stop. After a stop request nothing is excused
+    and --stop-grace-s of silence ends the job, saying so and naming the rank and the phase (the last complete
+    checkpoint stays)."""
+    grace = 2.0
+    args = [*sm.LAYOUTS["fsdp"], *sm.SAVE, "--steps", "1", "--excused-timeout-s", "600", "--stop-grace-s",
+            f"{grace:g}"]
+    job, took, log = _stalled_then_signalled("write the run directory", 1, args, tmp_path, tiny_cache)
+    assert job.code != 0 and took < grace + T + BOUND_S, (took, log[-3000:])
+    assert re.search(r'trainer rank 1 made no progress for \d+ s inside "write the run directory"', log), log[-3000:]
+    assert "after a stop request" in log and "asked to stop" in log, log[-3000:]

@@ -10,9 +10,11 @@ who called it (the first frame outside this file: a file and function), the proj
 it ("site", None inside a library's own machinery) and the phase the thread was inside (infra/progress.py:
 what liveness names when the job is stuck; tests/stall_matrix.py derives the blocking points from it). Nested
 calls (all_gather_object calling all_gather) are recorded once, as the outer call.
-Also recorded, once per (op, site, phase, thread): the project's own waits ("wait.sleep", "wait.condition",
-"wait.join": a polled store key, a mailbox, a thread's end) and every phase entered ("phase", with
-"excused" and "idle"): an excused section is a blocking point by definition (it reports nothing).
+Also recorded, once per (op, site, phase, thread): joining the job and building groups ("setup.init_process_group",
+"setup.new_group": rendezvous through the store), the project's own waits ("wait.sleep", "wait.condition",
+"wait.join": a polled store key, a mailbox, a thread's end) and every phase entered ("phase", with "excused"
+and "idle"): an excused section is a blocking point by definition (it reports nothing). Only the
+torch.distributed calls carry a "plane" (tests/inject/comm_check.py's rules).
 """
 import os
 
@@ -37,7 +39,6 @@ def _install() -> None:
 
     import torch
     import torch.distributed as dist
-    import torch.distributed._functional_collectives as funcol
     import torch.distributed.distributed_c10d as c10d
 
     import phases
@@ -46,12 +47,6 @@ def _install() -> None:
     here = __file__
     lock, local = threading.Lock(), threading.local()
     seen: set = set()
-    ops = ["send", "recv", "isend", "irecv", "broadcast", "all_reduce", "reduce", "all_gather",
-           "all_gather_into_tensor", "all_gather_single", "reduce_scatter", "reduce_scatter_tensor",
-           "reduce_scatter_single", "all_gather_object", "gather_object", "broadcast_object_list", "gather",
-           "scatter", "barrier", "all_to_all_single", "batch_isend_irecv", "monitored_barrier"]
-    funcol_ops = ["all_reduce", "all_gather_single", "reduce_scatter_single", "all_gather_tensor",
-                  "reduce_scatter_tensor", "all_reduce_coalesced", "broadcast", "all_to_all_single"]
 
     def plane(group) -> str:
         if isinstance(group, tuple):  # (DeviceMesh, mesh dim)
@@ -138,31 +133,26 @@ def _install() -> None:
 
         return waiting
 
+    def setup_hook(name, original):  # joining the job and building groups: rendezvous through the store
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def joining(*args, **kwargs):
+            rank = signature.bind_partial(*args, **kwargs).arguments.get("rank") if name == "init_process_group" \
+                else dist.get_rank()
+            found = phases.project_caller()
+            once({"op": f"setup.{name}", "site": f"{found[0]}:{found[1]}" if found else None,
+                  "phase": phases.current(), "rank": rank, **thread_fields()})
+            return original(*args, **kwargs)
+
+        return joining
+
     phases.watch()
-    replaced = {}  # id(original, or any function it wraps) -> wrapper
-
-    def layers(function):
-        while function is not None:
-            yield function
-            function = getattr(function, "__wrapped__", None)
-
-    for name in ops:
-        if hasattr(c10d, name):
-            original = getattr(c10d, name)
-            wrapped = wrap("dist", name, original)
-            replaced.update((id(f), wrapped) for f in layers(original))
-            setattr(c10d, name, wrapped)
-            setattr(dist, name, wrapped)
-    for name in funcol_ops:
-        if hasattr(funcol, name):
-            original = getattr(funcol, name)
-            setattr(funcol, name, replaced.setdefault(id(original), wrap("funcol", name, original)))
-    # Modules imported before this ran bound some by name (DTensor's mesh_scatter: `from ... import scatter`)
-    for module in list(sys.modules.values()):
-        if getattr(module, "__name__", "").startswith("torch.distributed") and module not in (c10d, dist, funcol):
-            for attribute, value in list(vars(module).items()):
-                if id(value) in replaced and callable(value):
-                    setattr(module, attribute, replaced[id(value)])
+    phases.wrap_distributed(wrap)
+    for name in ("init_process_group", "new_group"):
+        hooked = setup_hook(name, getattr(c10d, name))
+        setattr(c10d, name, hooked)
+        setattr(dist, name, hooked)
     time.sleep = wait_hook("wait.sleep", time.sleep)
     threading.Condition.wait = wait_hook("wait.condition", threading.Condition.wait)
     threading.Thread.join = wait_hook("wait.join", threading.Thread.join)
@@ -183,7 +173,7 @@ def _install() -> None:
     def entered(self):
         result = enter(self)
         if dist.is_initialized():
-            once({"op": "phase", "phase": self.name, "excused": self.excuse, "idle": self.idle,
+            once({"op": "phase", "phase": self.name, "excused": self.excuse, "idle": getattr(self, "idle", False),
                   "rank": dist.get_rank(), **thread_fields()})
         return result
 

@@ -8,8 +8,9 @@ spec["stall"] = {"rank": R, "phase": P, "nth": N, "mark": FILE}: on rank R, the 
     of that function blocks (to reproduce a hang in code that names no phase). When it blocks, the time goes
     to FILE.
 spec["slow"] = {"unit_s": d, "budget_s": B, "phases": {P: {"rank": R, "entry_s": s}}, "bucket_bytes": b}: on
-    rank R, inside phase P, every blocking torch.distributed call the project's own code makes and every unit of
-    progress the thread reports first waits d seconds, until B seconds were added there; with "entry_s",
+    rank R, inside phase P, every torch.distributed call (the project's own and the libraries': FSDP, DTensor)
+    and every unit of progress the thread reports first waits d seconds, until B seconds were added there; with
+    "entry_s",
     entering P waits s seconds once (an excused phase: loading, a reward). Each unit stays shorter than
     --timeout-s while the phase as a whole takes several times it: a phase that reports progress survives it,
     one that does not (publishing before issue 38) ends the job. "bucket_bytes": transport's publish buckets
@@ -55,7 +56,7 @@ def install(spec: dict, rank: int) -> None:
     def left(self, *exc):
         entries = phases.stack()
         if entries:
-            name, since, _ = entries[-1]
+            name, since = entries[-1][:2]
             with _lock:
                 stay = _stays.setdefault(name, [0.0, 0.0])
                 took = time.monotonic() - since
@@ -128,29 +129,30 @@ def _delay(phase: str | None, seconds: float, limit: bool = True) -> None:
 
 
 def _slow_calls_and_units(progress_cls) -> None:
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-
     unit = _spec["slow"]["unit_s"]
     bump = progress_cls.bump
+    local = threading.local()
 
     def slow_bump(self, step=None):
         _delay(phases.current(), unit)
         return bump(self, step)
 
+    def make(module, name, original):
+        @functools.wraps(original)
+        def slowed(*args, **kwargs):
+            if getattr(local, "inside", False):  # all_gather_object's own all_gather: one call
+                return original(*args, **kwargs)
+            _delay(phases.current(), unit)  # the project's calls and the libraries' (FSDP, DTensor) alike
+            local.inside = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                local.inside = False
+
+        return slowed
+
     progress_cls.bump = slow_bump
-    for name in ("send", "recv", "broadcast", "all_reduce", "all_gather_object", "gather_object", "barrier",
-                 "all_gather", "reduce", "scatter", "broadcast_object_list"):
-        original = getattr(c10d, name)
-
-        def slowed(*args, __original=original, **kwargs):
-            if phases.project_caller() is not None:
-                _delay(phases.current(), unit)  # the project's own calls; a library's own (FSDP) go by units
-            return __original(*args, **kwargs)
-
-        functools.update_wrapper(slowed, original)
-        setattr(c10d, name, slowed)
-        setattr(dist, name, slowed)
+    phases.wrap_distributed(make)
 
 
 def write_stats() -> None:

@@ -63,3 +63,41 @@ def project_caller() -> tuple[str, str] | None:
     if not path.startswith(ROOT + os.sep) or path.startswith(TESTS) or "site-packages" in path:
         return None
     return os.path.relpath(path, ROOT), frame.f_code.co_qualname
+
+
+C10D_OPS = ("send", "recv", "isend", "irecv", "broadcast", "all_reduce", "reduce", "all_gather",
+            "all_gather_into_tensor", "all_gather_single", "reduce_scatter", "reduce_scatter_tensor",
+            "reduce_scatter_single", "all_gather_object", "gather_object", "broadcast_object_list", "gather",
+            "scatter", "barrier", "all_to_all_single", "batch_isend_irecv", "monitored_barrier")
+FUNCOL_OPS = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_gather_tensor",
+              "reduce_scatter_tensor", "all_reduce_coalesced", "broadcast", "all_to_all_single")
+
+
+def wrap_distributed(make) -> None:
+    """Replace every torch.distributed entry point (C10D_OPS, FUNCOL_OPS) by make(module, name, current), also where
+    a module imported before this bound it by name (DTensor's mesh_scatter: `from ... import scatter`)."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    import torch.distributed.distributed_c10d as c10d
+
+    replaced = {}  # id(the current function, or any it wraps) -> its replacement
+
+    def layers(function):
+        while function is not None:
+            yield function
+            function = getattr(function, "__wrapped__", None)
+
+    for module, names, label in ((c10d, C10D_OPS, "dist"), (funcol, FUNCOL_OPS, "funcol")):
+        for name in names:
+            if hasattr(module, name):
+                current = getattr(module, name)
+                wrapped = make(label, name, current)
+                replaced.update((id(f), wrapped) for f in layers(current))
+                setattr(module, name, wrapped)
+                if module is c10d:
+                    setattr(dist, name, wrapped)
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("torch.distributed") and module not in (c10d, dist, funcol):
+            for attribute, value in list(vars(module).items()):
+                if callable(value) and id(value) in replaced:
+                    setattr(module, attribute, replaced[id(value)])
