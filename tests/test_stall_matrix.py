@@ -10,6 +10,7 @@ A blocking point without its row fails test_every_blocking_point_has_a_row (and 
 are checked the same way), so a collective added later is covered or the suite says so.
 The rows, the jobs and the faults: tests/stall_matrix.py, tests/inject/faults.py.
 """
+import concurrent.futures
 import os
 import re
 import shutil
@@ -21,10 +22,16 @@ import pytest
 
 import stall_matrix as sm
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = pytest.mark.timeout(1800)  # the matrix fixture runs every job in the first test that needs it
 T = sm.TIMEOUT_S
 BOUND_S = 30.0  # after --timeout-s (and --excused-timeout-s): the watchdog's interval, the launcher's teardown, load
 EXCUSED_S = 2 * T  # --excused-timeout-s of a job stalled in an excused phase (healthy phases: the default, 4 T)
+
+
+JOBS_AT_ONCE = 3  # the matrix's jobs run side by side: most of a job's time is waiting (for a stall's report, the
+# slowed units), and the slow run takes as long as a third of the stall rows
+STALL_TEST = "test_a_rank_stalled_at_a_blocking_point_ends_the_job_naming_it"
+SLOW_TESTS = ("test_every_blocking_point_slowed", "test_every_blocking_point_has_a_row")
 
 
 def expected(phase: str, row: sm.Row) -> str:
@@ -34,71 +41,90 @@ def expected(phase: str, row: sm.Row) -> str:
     return rf'{role} rank {row.rank} made no progress for \d+ s inside "{named}"{thread}'
 
 
+def _checkpointed(folder, cache):
+    """A run of one step with its checkpoint: what the resume row and the slow run resume."""
+    job = sm.run_job([*sm.LAYOUTS["fsdp"], *sm.SAVE, "--steps", "1", "--timeout-s", "60"], folder, "run", cache,
+                     bound_s=600)  # healthy: a --timeout-s that no load can trip
+    assert job.code == 0, job.log[-4000:]
+    return folder / "run"
+
+
+def _stall(phase: str, folder, cache, checkpoint):
+    """The row's job, stalled: (job, when the stall began (time.time()) or None, the ranks' reports)."""
+    row = sm.ROWS[phase]
+    folder.mkdir()
+    args = [*sm.LAYOUTS[row.layout], *row.args, "--steps", str(row.steps + (1 if row.resume else 0))]
+    if row.excused:
+        args += ["--excused-timeout-s", f"{EXCUSED_S:g}"]
+    if row.resume:  # a checkpoint of step 1, resumed in a copy
+        shutil.copytree(checkpoint, folder / "job")
+        args += ["--resume", str(folder / "job")]
+    mark = folder / "stalled_at"
+    where = {"function": row.function} if row.function else {"phase": phase}
+    stall = {"stall": {"rank": row.rank, **where, "nth": row.nth, "mark": str(mark)}}
+    limit = T + (EXCUSED_S if row.excused else 0)
+    job = sm.run_job(args, folder, "job", cache, bound_s=600, faults=stall,
+                     inject=("scripted_schedule",) if row.scripted else (), after_mark_s=limit + 2 * BOUND_S)
+    report = "\n".join(line for line in job.log.splitlines() if line.startswith("[digenrl]"))
+    return job, float(mark.read_text()) if mark.exists() else None, report
+
+
+def _slow(folder, cache, checkpoint):
+    """Every row's point slowed at once (stall_matrix.slow_faults) in one job that resumes `checkpoint` for two more
+    steps, with evaluation, checkpoints, the trace and TAG / TCSS at scripted moments; its calls recorded."""
+    folder.mkdir()
+    stats, record = folder / "stats", folder / "calls"
+    stats.mkdir(), record.mkdir()
+    shutil.copytree(checkpoint, folder / "run")
+    args = [*sm.LAYOUTS["fsdp"], *sm.EVAL, *sm.SAVE, *sm.TRACE, "--steps", "3", "--resume", str(folder / "run"),
+            "--excused-timeout-s", f"{sm.SLOW_EXCUSED_S:g}", "--timeout-s", f"{T:g}"]
+    job = sm.run_job(args, folder, "run", cache, bound_s=600, faults=sm.slow_faults(str(stats)),
+                     comm_log=str(record), inject=("scripted_schedule",))
+    return job, sm.read_stats(stats), sm.read_record(record)
+
+
+@pytest.fixture(scope="module")
+def matrix(tiny_cache, tmp_path_factory, request):
+    """The jobs of this module's selected tests, JOBS_AT_ONCE at a time: the slow run first, then each stalled row.
+    {"slow": (job, stats, record) or None, "stalls": {phase: (job, stalled at, report)}}."""
+    names = {item.name for item in request.session.items}
+    rows = [p for p in sm.ROWS if f"{STALL_TEST}[{p}]" in names]
+    slow = any(name.startswith(SLOW_TESTS) for name in names)
+    folder = tmp_path_factory.mktemp("matrix")
+    checkpoint = _checkpointed(folder, tiny_cache) if slow or "resume" in rows else None
+    with concurrent.futures.ThreadPoolExecutor(JOBS_AT_ONCE) as pool:
+        slow_job = pool.submit(_slow, folder / "slow", tiny_cache, checkpoint) if slow else None
+        stalls = {p: pool.submit(_stall, p, folder / f"row{i}", tiny_cache, checkpoint) for i, p in enumerate(rows)}
+        return {"slow": slow_job.result() if slow_job else None, "stalls": {p: f.result() for p, f in stalls.items()}}
+
+
 @pytest.mark.parametrize("phase", list(sm.ROWS))
-def test_a_rank_stalled_at_a_blocking_point_ends_the_job_naming_it(phase, tiny_cache, tmp_path, capfd, request):
+def test_a_rank_stalled_at_a_blocking_point_ends_the_job_naming_it(phase, matrix):
     """Catches a blocking point liveness cannot see or name: a phase excused without bound (start-up, resume and
     shutdown were, issue 38 defect 1: a trainer hung in load_checkpoint_state was still hung after 25 min), a
     blocking call outside any named phase ("outside any named phase" names nothing), a wait with a deadline of its
     own instead of liveness'. One rank blocks for ever on entering the phase (its heartbeat keeps beating); the
-    job must end within --timeout-s + BOUND_S of it (excused phases: + --excused-timeout-s), the launcher's report
+    job must end within --timeout-s + BOUND_S of it (excused phases: + --excused-timeout-s), the ranks' report
     naming that rank inside that phase, as a stall, not as a silent rank."""
     row = sm.ROWS[phase]
-    args = [*sm.LAYOUTS[row.layout], *row.args, "--steps", str(row.steps + (1 if row.resume else 0))]
-    limit = T + (EXCUSED_S if row.excused else 0)
-    if row.excused:
-        args += ["--excused-timeout-s", f"{EXCUSED_S:g}"]
-    if row.resume:  # a checkpoint of step 1, resumed in a copy
-        shutil.copytree(request.getfixturevalue("checkpointed"), tmp_path / "job")
-        args += ["--resume", str(tmp_path / "job")]
-    mark = tmp_path / "stalled_at"
-    where = {"function": row.function} if row.function else {"phase": phase}
-    stall = {"stall": {"rank": row.rank, **where, "nth": row.nth, "mark": str(mark)}}
-    capfd.readouterr()
-    job = sm.run_job(args, tmp_path, "job", tiny_cache, bound_s=600, faults=stall,
-                     inject=("scripted_schedule",) if row.scripted else (), after_mark_s=limit + 2 * BOUND_S)
-    report = "\n".join(line for line in capfd.readouterr().err.splitlines() if line.startswith("[digenrl]"))
-    assert mark.exists(), f"the job never reached {phase!r} on rank {row.rank}:\n{report}\n{job.log[-4000:]}"
-    took = job.ended - float(mark.read_text())
+    job, stalled_at, report = matrix["stalls"][phase]
+    assert stalled_at is not None, f"the job never reached {phase!r} on rank {row.rank}:\n{job.log[-4000:]}"
+    took = job.ended - stalled_at
     assert not job.killed_by_test, f"still running {took:.0f} s after the stall (the test killed it):\n" \
                                    f"{report}\n{job.log[-4000:]}"
+    limit = T + (EXCUSED_S if row.excused else 0)
     assert job.code != 0 and took < limit + BOUND_S, f"ended {took:.0f} s after the stall:\n{report}"
     assert "no rank made progress" in report and "no sign of life" not in report, f"\n{report}"
     assert re.search(expected(phase, row), report), f"\n{expected(phase, row)}\nnot in\n{report}"
 
 
-
-@pytest.fixture(scope="module")
-def checkpointed(tiny_cache, tmp_path_factory):
-    """A run of one step with its checkpoint: what the resume row and the slow run resume."""
-    folder = tmp_path_factory.mktemp("checkpointed")
-    job = sm.run_job([*sm.LAYOUTS["fsdp"], *sm.SAVE, "--steps", "1", "--timeout-s", "60"], folder, "run",
-                     tiny_cache, bound_s=600)  # healthy: a --timeout-s that no load can trip
-    assert job.code == 0, job.log[-4000:]
-    return folder / "run"
-
-
-@pytest.fixture(scope="module")
-def slow_run(checkpointed, tiny_cache, tmp_path_factory):
-    """Every row's point slowed at once (stall_matrix.slow_faults) in one job that resumes `checkpointed` for two
-    more steps, with evaluation, checkpoints, the trace and TAG / TCSS at scripted moments; its calls recorded."""
-    folder = tmp_path_factory.mktemp("slow")
-    stats, record = folder / "stats", folder / "calls"
-    stats.mkdir(), record.mkdir()
-    shutil.copytree(checkpointed, folder / "run")
-    args = [*sm.LAYOUTS["fsdp"], *sm.EVAL, *sm.SAVE, *sm.TRACE, "--steps", "3", "--resume", str(folder / "run"),
-            "--excused-timeout-s", f"{sm.SLOW_EXCUSED_S:g}", "--timeout-s", f"{T:g}"]
-    job = sm.run_job(args, folder, "run", tiny_cache, bound_s=600, faults=sm.slow_faults(str(stats)),
-                     comm_log=str(record), inject=("scripted_schedule",))
-    return job, sm.read_stats(stats), sm.read_record(record)
-
-
-def test_every_blocking_point_slowed_to_several_timeouts_the_job_finishes(slow_run):
+def test_every_blocking_point_slowed_to_several_timeouts_the_job_finishes(matrix):
     """Catches a long phase that reports no progress (issue 38 defect 2: publishing full weights was none, and a
     healthy job publishing for 3 x --timeout-s was killed "inside publish"), an excuse that is too short, a wait
     with a deadline: every point slowed at once, on its row's rank (a unit never longer than T / 8, many of them),
     and the job must finish. Each "stay" row's rank, or a peer waiting for it, stayed 3 T at a time in the point;
     each "total" row's phase 3 T over the run; each "call" row was slowed by T / 2."""
-    job, stats, _ = slow_run
+    job, stats, _ = matrix["slow"]
     assert job.code == 0, f"the slowed job failed ({job.took_s:.0f} s):\n{job.log[-5000:]}"
     table = "\n".join(f"{phase:28} " + "  ".join(
         f"r{r}: {s[phase]['longest_s']:5.1f} {s[phase]['total_s']:6.1f} +{s[phase]['added_s']:4.1f}"
@@ -124,12 +150,12 @@ def test_every_blocking_point_slowed_to_several_timeouts_the_job_finishes(slow_r
     assert [p for p, row in sm.ROWS.items() if row.layout != "fsdp"] == ["all-reduce"]
 
 
-def test_every_blocking_point_has_a_row(slow_run):
+def test_every_blocking_point_has_a_row(matrix):
     """Catches a blocking point without its row (a collective, a wait or an excused section added later) and a
     blocking call outside any named phase (a stall there would be reported as "outside any named phase"): the
     points of the slow run's record, every rank and thread (tests/test_comm_contract.py checks its layouts the
     same way)."""
-    points, unnamed = sm.blocking_points(slow_run[2])
+    points, unnamed = sm.blocking_points(matrix["slow"][2])
     assert not unnamed, f"blocking calls outside any named phase: {unnamed}"
     missing = {p: what for p, what in points.items() if p not in sm.ROWS}
     assert not missing, f"blocking points without a row in tests/stall_matrix.py ROWS: {missing}"
