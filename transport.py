@@ -246,7 +246,8 @@ def receive_buckets(src: int, group, shapes: list[tuple[torch.Size, torch.dtype]
 
 
 def receive_weights(src: int, group, shapes: list[tuple[torch.Size, torch.dtype]],
-                    bucket_bytes: int | None = None, progress=None) -> tuple[int, list[torch.Tensor]]:
+                    bucket_bytes: int | None = None,
+                    progress=None) -> tuple[int, list[torch.Tensor]]:
     """The receiver (blocks until the next publish): (version, one tensor per weight); (version, [])
     for a header-only message (tcss.STOP). `progress` (infra.progress.Progress): the wait for the
     next publish is idle, receiving one is a named phase with a unit of progress per bucket."""

@@ -80,7 +80,7 @@ class TrainerFragments:
         if not self.cfg.tsp:
             return gap.dealt_fragments(self.queue, step, self.per_step, g.trainer_index,
                                        g.num_trainers, functools.partial(self.receive, step),
-                                       wait=functools.partial(self.announced, step))
+                                       wait=self.announced)
         poll = functools.partial(self.arrived, step)
         if self.assistant is not None:
             decide = self.assistant.strategy(step, poll, tsp.TRAIN, tsp.PRODUCE)  # TAG
