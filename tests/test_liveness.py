@@ -133,10 +133,11 @@ def test_an_excused_section_is_excused_only_for_its_patience_and_not_after_a_sto
 
     progress = Progress()
     progress.start()
-    watch = Liveness(dist.HashStore(), 0, ["trainer"], timeout_s=1.0, progress=progress, excused_timeout_s=10.0)
+    watch = Liveness(dist.HashStore(), 0, ["trainer"], timeout_s=5.0, progress=progress, excused_timeout_s=10.0,
+                     stop_grace_s=2.0)
     t0 = time.monotonic()
     watch._publish_progress(t0 + 50)  # outside any excused section: nothing moves
-    assert progress.ticks == 0
+    assert progress.ticks == 0 and watch.silence_limit_s() == 5.0
     with progress.excused("reward"):
         for now, ticks in ((t0 + 1, 1), (t0 + 9, 2), (t0 + 11, 2), (t0 + 30, 2)):
             watch._publish_progress(now)
@@ -148,7 +149,7 @@ def test_an_excused_section_is_excused_only_for_its_patience_and_not_after_a_sto
         assert progress.ticks == 4
         watch.asked_to_stop()
         watch._publish_progress(t0 + 41)
-        assert progress.ticks == 4 and watch.silence_limit_s() == 1.0  # min(--timeout-s 1, --stop-grace-s 30)
+        assert progress.ticks == 4 and watch.silence_limit_s() == 2.0  # min(--timeout-s 5, --stop-grace-s 2)
         assert "not excused after a stop request" in watch.store.get("progress/0").decode()
 
 
