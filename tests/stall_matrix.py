@@ -4,7 +4,8 @@ this process, faults injected into them (tests/inject/faults.py), their blocking
 
 Jobs are launched in-process (infra.launch.launch, as main.py does) from one multiprocessing forkserver that
 imported main.py and the pipeline once: a job then costs its ranks' work, not 15 s of imports per process. The
-ranks' own output goes to <folder>/<name>.log; the launcher's (which names the failure) to this process's stderr.
+ranks' own output goes to <folder>/<name>.log (each rank's watchdog prints its report there); the launcher's to this
+process's stderr.
 """
 from __future__ import annotations
 
@@ -23,8 +24,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INJECT = os.path.join(ROOT, "tests", "inject")
 if INJECT not in sys.path:
     sys.path.insert(0, INJECT)
-PIPELINE = "diffusers.pipelines.flux.pipeline_flux"  # the tiny FLUX pipeline's module (models/flux.py)
-PRELOAD = ("main", PIPELINE, "faults", "comm_recorder", "stall_matrix")
+HOOKS = ("faults", "comm_recorder", "stall_matrix")  # what the ranks import from tests/ (preloaded too)
 
 
 def rank_entry(payload, rank, world, local_rank, master, agent_store, report_silent):
@@ -64,11 +64,17 @@ class Job:
             return f.read()
 
 
+def preload() -> tuple[str, ...]:
+    """What the forkserver imports once: main.py, the tiny FLUX pipeline's module, the test hooks."""
+    import models
+    return ("main", models.get_family("flux").pipeline_module, *HOOKS)
+
+
 def start_forkserver() -> None:
     """The forkserver every job's ranks are forked from, importing main.py and the pipeline once (if another test
     of this process started it already, its ranks import what it lacks themselves: slower, same result)."""
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["infra.rank_server", *PRELOAD])
+    ctx.set_forkserver_preload(["infra.rank_server", *preload()])
     from multiprocessing import forkserver
     forkserver.ensure_running()
 
@@ -108,7 +114,7 @@ def run_job(args: list[str], folder, name: str, cache: str, bound_s: float, faul
     lock = cli.lock_run_dir(cfg)
     start = time.monotonic()
     try:
-        code = launch(rank_entry, payload, cfg.nproc, threads=1, start_method="forkserver", preload=PRELOAD,
+        code = launch(rank_entry, payload, cfg.nproc, threads=1, start_method="forkserver", preload=preload(),
                       role_of=functools.partial(comm.role_of, cfg.placement, cfg.rollout_ranks, world=cfg.nproc))
     finally:
         took, ended = time.monotonic() - start, time.time()

@@ -1,14 +1,16 @@
 """The stall-and-slow matrix (issue 38): for every blocking point of a run (each collective, store wait,
 send/recv, checkpoint and publish I/O, model loading, start-up and resume), found from the calls the
 communication contract records (tests/inject/comm_recorder.py: every torch.distributed call and every wait of
-the project's own code, with the phase liveness would name), a real job of main.py's ranks
+the project's own code, with the phase liveness would name; every excused section), a real job of main.py's ranks
 - stalled there on one rank ends within --timeout-s plus a bound (--excused-timeout-s first where the phase
   reports nothing of its own), the report naming the rank and the point;
 - slowed there to several times --timeout-s while it keeps reporting progress finishes (one run slows every
   point at once).
-A blocking point without its row fails test_every_blocking_point_has_a_row (and test_comm_contract's layouts
-are checked the same way), so a collective added later is covered or the suite says so.
-The rows, the jobs and the faults: tests/stall_matrix.py, tests/inject/faults.py.
+A blocking point without its row fails test_every_blocking_point_has_a_row (and tests/test_comm_contract.py checks
+its layouts the same way), so a collective added later gets its row or the suite says so. Plus SIGTERM: a rank
+still starting stops at once, a stuck job after --stop-grace-s.
+The rows, the jobs and the faults: tests/stall_matrix.py, tests/inject/faults.py. The jobs run JOBS_AT_ONCE at a
+time, their ranks forked from one forkserver of this process (no per-job imports).
 """
 import concurrent.futures
 import os
