@@ -93,10 +93,13 @@ def matrix(tiny_cache, tmp_path_factory, request):
     rows = [p for p in sm.ROWS if f"{STALL_TEST}[{p}]" in names]
     slow = any(name.startswith(SLOW_TESTS) for name in names)
     folder = tmp_path_factory.mktemp("matrix")
-    checkpoint = _checkpointed(folder, tiny_cache) if slow or "resume" in rows else None
+    sm.start_forkserver()
     with concurrent.futures.ThreadPoolExecutor(JOBS_AT_ONCE) as pool:
-        slow_job = pool.submit(_slow, folder / "slow", tiny_cache, checkpoint) if slow else None
-        stalls = {p: pool.submit(_stall, p, folder / f"row{i}", tiny_cache, checkpoint) for i, p in enumerate(rows)}
+        checkpoint = pool.submit(_checkpointed, folder, tiny_cache)  # first: the slow run and "resume" wait for it
+        slow_job = pool.submit(lambda: _slow(folder / "slow", tiny_cache, checkpoint.result())) if slow else None
+        stalls = {p: pool.submit(lambda p=p, i=i: _stall(p, folder / f"row{i}", tiny_cache,
+                                                        checkpoint.result() if sm.ROWS[p].resume else None))
+                  for i, p in enumerate(rows)}
         return {"slow": slow_job.result() if slow_job else None, "stalls": {p: f.result() for p, f in stalls.items()}}
 
 
