@@ -103,20 +103,29 @@ def gather_device_identities(store, rank: int, world: int, mine: str) -> list[st
     return [store.get(k).decode() for k in keys]
 
 
-def loopback_data_plane(env, resolve=socket.gethostbyname,
+def gather_hosts(store, rank: int, world: int) -> list[str]:
+    """Every rank's host name, through the store (before any process group exists): which ranks
+    share a host is what the ranks say, not what a launcher's variables imply (LOCAL_WORLD_SIZE is
+    per node under torchrun and unset under srun)."""
+    store.set(f"host/{rank}", socket.gethostname())
+    keys = [f"host/{r}" for r in range(world)]
+    store.wait(keys)
+    return [store.get(k).decode() for k in keys]
+
+
+def loopback_data_plane(env, hosts: list[str], resolve=socket.gethostbyname,
                         hostname=socket.gethostname) -> str | None:
-    """A warning when gloo (the data plane) would bind a loopback address while the world spans
-    several hosts.
+    """A warning when gloo (the data plane) would bind a loopback address on this host while the
+    job spans several hosts (`hosts`: every rank's host name, gather_hosts).
 
     Without GLOO_SOCKET_IFNAME, gloo binds the address this host's name resolves to, and stock
     Ubuntu maps the hostname to 127.0.1.1 in /etc/hosts: peers on other hosts are then told to
     connect to a loopback address and the first cross-host send never arrives. (NCCL picks its own
-    interface; NCCL_SOCKET_IFNAME pins it.)"""
-    world, local = (int(env.get("WORLD_SIZE", 1)),
-                    int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", 1))))
-    if world <= local or env.get("GLOO_SOCKET_IFNAME"):
+    interface; NCCL_SOCKET_IFNAME pins it.) Several "nodes" on one host (torchrun --nnodes 2 on
+    localhost) reach each other through loopback: no warning."""
+    if len(set(hosts)) <= 1 or env.get("GLOO_SOCKET_IFNAME"):
         return None  # one host, or the interface is pinned
-    name = hostname()
+    world, name = len(hosts), hostname()
     try:
         address = resolve(name)
     except OSError as error:
@@ -124,7 +133,7 @@ def loopback_data_plane(env, resolve=socket.gethostbyname,
                 "for the data plane; set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) to the "
                 "interface that reaches the other hosts, e.g. GLOO_SOCKET_IFNAME=eth0")
     if address.startswith("127.") or address == "::1":
-        return (f"this job spans several hosts ({world} ranks, {local} per host) but the hostname "
+        return (f"this job spans {len(set(hosts))} hosts ({world} ranks) but the hostname "
                 f"{name!r} resolves to the loopback address {address}: gloo (the data plane: "
                 "fragments, weights, commands) would bind it and ranks on other hosts could not "
                 "connect. Set GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) to the interface that "

@@ -13,8 +13,10 @@ import dataclasses
 import json
 import math
 import os
+import re
 from typing import Optional
 
+import gap
 import presets
 from infra.saved_config import renamed_fields
 
@@ -62,8 +64,10 @@ class Config:
     remote_score_key: str = field("scores", "key of the server's answer holding the scores: scores "
                                   "(GenEval-style), outputs (DeQA / UnifiedReward-style); per "
                                   "remote:NAME reward: NAME=KEY,...")
-    remote_timeout_s: float = field(30.0, "per request: longer tolerates a slow server, shorter "
-                                    "retries a hung one sooner")
+    remote_timeout_s: float = field(30.0, "each attempt's whole time (connect, send, wait, read "
+                                    "the last byte): longer tolerates a slow server, shorter "
+                                    "retries a hung one sooner; a reward call is excused from "
+                                    "liveness for its attempts and retries' waits, no longer")
     remote_retries: int = field(7, "retries after the first attempt (timeouts, connection errors, "
                                 "HTTP 5xx), with exponential backoff capped at 15 s: the default 7 "
                                 "wait 1, 2, 4, 8, 15, 15, 15 s (about a minute), riding out "
@@ -275,7 +279,8 @@ class Config:
                          "its own GPU, else gloo), nccl, gloo. The data plane is always gloo with "
                          "CPU tensors (comm.py)")
     seed: int = field(0, "seed of prompts order and noise: the same seed gives the same "
-                      "trajectories in every mode")
+                      "trajectories in every mode (0 to about 9 million: every seed derived "
+                      "from it stays an int64)")
     # run directory
     run_name: Optional[str] = field(None, "runs/<run_name>; unset = model-mode-timestamp")
     out_dir: str = field("runs", "parent folder of run directories")
@@ -470,12 +475,40 @@ def validate(c: Config, world_size: int) -> None:
     _check_inputs(c, family, world_size)
 
 
+MAX_LR = 1.0  # AdamW and SGD steps beyond the weights' own scale are no training
+MIN_TIMEOUT_S = 1.0  # liveness beats every timeout / 5 s: below ~1 s a GIL pause reads as a freeze
+MAX_SIDE = 4096  # pixels: native sizes are at most 1280 (a 65536 px reward probe was 96 GiB)
+MAX_FRAMES = 1025  # video frames (Wan 81, HunyuanVideo 129 at most in their releases)
+RANKS_PER_CORE = 8  # self-spawned ranks are processes on this host, each with its own model
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")
+
+
 def _check_numbers(c: Config) -> None:
     for name in (("steps", "prompts_per_step", "group_size", "fragment_groups", "tsp_pack",
-                  "threads", "keep_checkpoints", "nproc", "eval_seeds")
+                  "threads", "keep_checkpoints", "nproc", "eval_seeds", "text_len")
                  + (("lora_rank",) if c.lora else ())):
         if getattr(c, name) < 1:
             _bad(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(c, name)}")
+    cores = os.cpu_count() or 1
+    if c.threads > cores:
+        _bad(f"--threads {c.threads}: at most the {cores} CPU cores of this host (torch threads "
+             "per rank)")
+    if c.nproc > RANKS_PER_CORE * cores:
+        _bad(f"--nproc {c.nproc}: at most {RANKS_PER_CORE * cores} ranks ({RANKS_PER_CORE} per CPU "
+             "core of this host) are spawned here; for more ranks use torchrun on several hosts")
+    if not (math.isfinite(c.weight_decay) and c.weight_decay >= 0):
+        _bad(f"--weight-decay must be a finite number >= 0, got {c.weight_decay}")
+    if c.lr > MAX_LR:
+        _bad(f"--lr must be a positive number <= {MAX_LR:g}, got {c.lr}")
+    largest = gap.largest_seed(c.steps, c.prompts_per_step * c.group_size)
+    if not 0 <= c.seed <= largest:
+        _bad(f"--seed must be an integer in [0, {largest}] (every seed derived from it stays an "
+             f"int64 over {c.steps} steps), got {c.seed}")
+    for name in ("resolution", "width"):
+        if getattr(c, name) > MAX_SIDE:
+            _bad(f"--{name} must be at most {MAX_SIDE} pixels, got {getattr(c, name)}")
+    if c.frames > MAX_FRAMES:
+        _bad(f"--frames must be at most {MAX_FRAMES}, got {c.frames}")
     if c.group_size < 2:
         _bad("--group-size must be >= 2 (advantages compare samples within a group), "
              f"got {c.group_size}")
@@ -492,6 +525,9 @@ def _check_numbers(c: Config) -> None:
         value = getattr(c, name)
         if not (math.isfinite(value) and value > 0):
             _bad(f"--{name.replace('_', '-')} must be a positive number, got {value}")
+    if c.timeout_s < MIN_TIMEOUT_S:
+        _bad(f"--timeout-s must be at least {MIN_TIMEOUT_S:g} s (it must exceed one forward or "
+             f"pack), got {c.timeout_s}")
     if not (math.isfinite(c.noise_level) and c.noise_level > 0):
         _bad(f"--noise-level must be > 0 for training (the SDE needs noise), got {c.noise_level}")
     if not 1 <= c.updates_per_batch <= c.prompts_per_step:
@@ -634,6 +670,8 @@ def _check_inputs(c: Config, family, world_size: int) -> None:
                                  reward_probe(c, source))
     if c.pretrained is not None:
         family.check_pretrained(models.resolve_pretrained(c.model, c.pretrained))
+    if c.resume is None:
+        check_run_name(c.run_name)
     if c.resume is not None:
         from infra import rundir as runio
         runio.check_resume(c.resume, c)
@@ -641,6 +679,12 @@ def _check_inputs(c: Config, family, world_size: int) -> None:
         # a new run must not overwrite one (main.py checks again under the run lock)
         from infra.runlock import check_new_run
         check_new_run(os.path.join(c.out_dir, c.run_name))
+
+
+def check_run_name(name: str | None) -> None:
+    if name is not None and not RUN_NAME.fullmatch(name):
+        _bad(f"--run-name {name!r} must be a plain name (letters, digits, '.', '_', '+', '-'; not "
+             "starting with '.' or '-'): the run directory is --out-dir/NAME, never outside it")
 
 
 def reward_options(c: Config):

@@ -166,6 +166,17 @@ def fragment_spec(seed: int, step: int, first_group: int, num_groups: int, num_p
     return FragmentSpec(step, first_group, prompt_ids, init_seeds, noise_seeds, group_size)
 
 
+SEED_BOUND = 2**63  # derived seeds stay int64 (manual_seed overflows past 2**64 - 1)
+
+
+def largest_seed(steps: int, trajectories_per_step: int) -> int:
+    """The largest run seed whose derived seeds all stay below SEED_BOUND: fragment_spec's
+    base + 2 t + 1 at the last step and trajectory, plus rollout.train_slots' + 7."""
+    # the bound on seed * 1_000_003 + step, then on seed
+    base_limit = (SEED_BOUND - 1 - 2 * trajectories_per_step - 8) // 1_000_033
+    return (base_limit - steps) // 1_000_003
+
+
 def num_fragments(groups_per_step: int, fragment_groups: int) -> int:
     if fragment_groups < 1 or groups_per_step % fragment_groups:
         raise ValueError(f"--fragment-groups {fragment_groups} must divide the {groups_per_step} "

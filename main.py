@@ -81,14 +81,14 @@ class Rank:
             self.batch.post(f)  # before it is announced, sent or shared (parts: TSP joins them)
         return fragments
 
-    def score(self, *args, **kwargs):
-        """The reward function, excused from reporting progress (a user's function reports none)."""
-        with self.job.progress.excused("reward"):
-            return self.reward_fn(*args, **kwargs)
+    def score(self, images, *args, **kwargs):
+        """The reward fn, excused from reporting progress (for as long as a remote one can take)."""
+        with self.job.progress.excused("reward", up_to_s=self.reward_fn.deadline_s(images)):
+            return self.reward_fn(images, *args, **kwargs)
 
 
 def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple, agent_store: bool,
-             report_silent=None) -> int:
+             report_silent=None, store=None) -> int:  # store: opened already (infra/node_fetch.py)
     """One rank: job, groups, policy, loop, shutdown. 0, or EXIT_PREEMPTED after a SIGTERM stop."""
     cfg = cfg if isinstance(cfg, config_lib.Config) else config_lib.from_dict(cfg)
     torch.set_num_threads(cfg.threads)
@@ -96,7 +96,7 @@ def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple, agent_s
     roles = [comm.role_of(cfg.placement, cfg.rollout_ranks, r, world) for r in range(world)]
     runtime.name_process(f"dg{rank}-{roles[rank]}")  # what ps/top (and tools/soak.py) show
     job = runtime.connect(cfg, rank, world, local_rank, master, agent_store, report_silent,
-                          device, roles)
+                          device, roles, store)
     groups = job.phase("process groups", comm.build_groups, rank, world, cfg.placement,
                        cfg.rollout_ranks)
     tracer = Tracer(rank, groups.role, enabled=cfg.trace, progress=job.progress)
@@ -134,8 +134,8 @@ def rollout_rank(r: Rank) -> None:
     cfg, groups = r.cfg, r.groups
     params = [p for p in r.policy.transformer.parameters() if p.requires_grad]  # published ones
     sender = transport.FragmentSender(wiring.Send(r.tracer, groups.world_data))
-    receive = functools.partial(transport.receive_weights, groups.leader, groups.publish,
-                                [(p.shape, p.dtype) for p in params], progress=r.job.progress)
+    shapes, progress = [(p.shape, p.dtype) for p in params], r.job.progress
+    receive = transport.WeightReceiver(groups.leader, groups.publish, shapes, progress=progress)
     budget = tcss.StaleBudget(r.job.prefixed("stale"), cfg.max_stale_fragments)
     weights = tcss.RolloutWeights(tcss.Mailbox(receive), params, budget if cfg.use_tcss else None,
                                   sender.raise_if_failed, r.tracer, groups.rank == 0)  # TCSS

@@ -64,28 +64,49 @@ def behaviour_log_prob(current: torch.Tensor, recorded: torch.Tensor,
 class Mailbox:
     """Rollout rank: a background thread receives published weights into CPU buffers; the main
     thread swaps them into the model between fragments. Waits have no deadline: liveness ends a dead
-    job."""
+    job.
 
-    def __init__(self, receive: Callable[[], tuple[int, list[torch.Tensor]]]):
-        """`receive()` blocks until the next publish and returns (version, one tensor per weight):
-        transport.receive_weights on a gloo group of its own, or a queue in the demo."""
+    The buffers may be the same for every publish (transport.WeightReceiver: one copy of the
+    weights on the host for the whole run), so a publish that arrives overwrites the last one's
+    buffers: the receive calls begin(version) before it writes them, which waits for a swap in
+    progress to finish and marks them unreadable until the publish is complete. A version the
+    model never took is then gone, which is safe: the next publish can only start once its step
+    is trained, so this rank needs the newer version next. A swap that finds a completed version
+    it has not taken being overwritten waits for the newer one (it must not generate with weights
+    two versions old); with nothing newer than what it holds it returns at once (generating ahead
+    while a publish arrives is TCSS's point)."""
+
+    def __init__(self, receive: Callable[..., tuple[int, list[torch.Tensor]]]):
+        """`receive(begin=...)` blocks until the next publish and returns (version, one tensor per
+        weight), calling begin(version) before it writes into buffers it reuses:
+        transport.WeightReceiver on a gloo group of its own, or a queue in the demo."""
         self.receive = receive
         self._cond = threading.Condition()
-        # (version, buffers; None once swapped)
-        self._latest: tuple[int, list[torch.Tensor] | None] | None = None
+        self._ready: tuple[int, list[torch.Tensor]] | None = None  # complete, not yet swapped in
+        self._filling = False  # a publish is being written into the buffers
+        self._swapping = False  # the main thread is copying the buffers into the model
+        self._arrived = -1  # the latest version received completely
         self._held_version = -1  # version of the weights currently in the model
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="weight-mailbox", daemon=True)
         self._thread.start()
 
+    def _begin(self, version: int) -> None:
+        with self._cond:
+            while self._swapping:
+                self._cond.wait()
+            self._filling, self._ready = True, None  # what the buffers held is being overwritten
+            self._cond.notify_all()
+
     def _run(self) -> None:
         try:
             while True:
-                version, buffers = self.receive()  # blocks until the next publish
+                version, buffers = self.receive(begin=self._begin)  # blocks until the next publish
                 if version == STOP:
                     break
                 with self._cond:
-                    self._latest = (version, buffers)
+                    self._ready, self._filling = (version, buffers), False
+                    self._arrived = version
                     self._cond.notify_all()
         except BaseException as exc:  # noqa: BLE001  (surfaced to the main thread, which raises it)
             self.error = exc
@@ -96,9 +117,16 @@ class Mailbox:
         if self.error is not None:
             raise RuntimeError(f"weight mailbox failed: {self.error}") from self.error
 
+    def _wait(self, what: str) -> None:
+        """One wait on the condition (held): at most a second; the thread's failure is raised."""
+        self._raise_if_failed()
+        if not self._thread.is_alive():
+            raise RuntimeError(f"weight mailbox stopped before {what}")
+        self._cond.wait(1.0)
+
     def latest_version(self) -> int:
         with self._cond:
-            return -1 if self._latest is None else self._latest[0]
+            return self._arrived
 
     @property
     def held_version(self) -> int:
@@ -109,27 +137,31 @@ class Mailbox:
         second while waiting and may raise: the rollout's fragment sender, whose failure means they
         never will."""
         with self._cond:
-            while self._latest is None or self._latest[0] < version:
-                self._raise_if_failed()
+            while self._arrived < version:
                 also_check()
-                if not self._thread.is_alive():
-                    raise RuntimeError(f"weight mailbox stopped before version {version} arrived")
-                self._cond.wait(1.0)
+                self._wait(f"version {version} arrived")
 
     def swap_into(self, params: list[torch.Tensor]) -> int:
         """Copy the latest weights into the model (call only between fragments); returns the held
         version."""
         self._raise_if_failed()
         with self._cond:
-            latest = self._latest
-            if latest is not None and latest[1] is not None:
-                # the buffers are consumed: free them after the copy
-                self._latest = (latest[0], None)
-        if latest is not None and latest[1] is not None and latest[0] > self._held_version:
+            while self._filling and self._arrived > self._held_version:  # the newest one is being
+                self._wait("a publish being received completed")  # overwritten: take the next
+            latest = self._ready
+            if latest is None or latest[0] <= self._held_version:
+                return self._held_version
+            self._swapping = True  # the receive waits before overwriting the buffers
+        try:
             with torch.no_grad():
                 for p, t in zip(params, latest[1]):
                     p.copy_(t)
-            self._held_version = latest[0]
+        finally:
+            with self._cond:
+                self._swapping = False
+                self._ready = None  # taken
+                self._held_version = latest[0]
+                self._cond.notify_all()
         return self._held_version
 
     def join(self) -> None:
@@ -272,7 +304,7 @@ def _demo() -> None:
     wire: queue_lib.Queue = queue_lib.Queue()  # the publish group
     theta = torch.zeros(3)  # the trainer's weights (the policy: x ~ N(theta, 1))
     rollout_theta = torch.zeros(3)  # the rollout's copy
-    mailbox = Mailbox(wire.get)
+    mailbox = Mailbox(lambda begin: wire.get())  # new tensors each time: nothing to wait for
     weights = RolloutWeights(mailbox, [rollout_theta], StaleBudget(Store(), max_stale=1))
 
     def log_prob(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:

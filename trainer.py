@@ -20,6 +20,7 @@ from typing import ContextManager
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard
 
 import ema as ema_lib
 import gap
@@ -27,6 +28,8 @@ import grpo
 import models
 import tag
 import tcss
+from infra import checkpoint_file
+from infra.checkpoint_file import Deferred
 from rollout import step_fn
 from tsp import PackStream, gather_pairs, gather_spanning
 
@@ -107,6 +110,9 @@ class Trainer:
         collective the trainer is in (liveness names it when the job is stuck)."""
         self.policy, self.cfg, self.sharded, self.progress = policy, cfg, sharded, progress
         self.compute_group, self.data_group = compute_group, data_group  # comm.py's two planes
+        if getattr(policy, "masters_pending", False):
+            raise ValueError("fp32 masters were left to trainer.shard_for_fsdp "
+                             "(masters_after_sharding), but the transformer was not sharded")
         trainable = [(n, p) for n, p in policy.transformer.named_parameters() if p.requires_grad]
         self.names, self.params = [n for n, _ in trainable], [p for _, p in trainable]
         if not self.params:
@@ -153,7 +159,7 @@ class Trainer:
         weights over gloo takes minutes)."""
         for p in self.params:
             with torch.no_grad():
-                yield p.full_tensor() if _is_sharded(p) else p.detach()
+                yield whole_tensor(p)
             self._bump()
 
     def evaluation_weights(self) -> ContextManager:
@@ -162,41 +168,50 @@ class Trainer:
         return (self.ema.swapped_in(self.params) if self.ema is not None
                 else contextlib.nullcontext())
 
-    def _gathered(self, tensors: list[torch.Tensor], keep: bool) -> dict[str, torch.Tensor]:
-        """name -> whole CPU tensor (FSDP shards gathered one at a time; kept only where `keep`)."""
-        out = {}
-        for name, t in zip(self.names, tensors):
-            with torch.no_grad():
-                whole = t.full_tensor() if _is_sharded(t) else t.detach()
-            if keep:
-                out[name] = whole.to("cpu")
-            del whole
-            self._bump()
-        return out
+    # --- checkpoints: streamed tensor by tensor (infra/checkpoint_file.py) -----------------------
+    def checkpoint_skeleton(self) -> dict:
+        """The checkpoint's structure, the same sharded or not: {"weights": name -> tensor,
+        "optimizer": the state dict, "bad_steps_in_a_row", "updates_total"[, "ema": name ->
+        tensor]},
+        with a checkpoint_file.Deferred (shape, dtype, and this rank's tensor or FSDP shard as its
+        source) in place of every weight, AdamW moment and EMA shadow; scalars (AdamW's step) as CPU
+        tensors. `produce` makes each Deferred whole, in checkpoint_file.deferred_order."""
+        def deferred(t: torch.Tensor):
+            return Deferred(t.shape, t.dtype, t) if t.ndim else t.detach().to("cpu")
+
+        optimizer = self.optimizer.state_dict()
+        optimizer["state"] = {i: {k: deferred(v) for k, v in entry.items()}
+                              for i, entry in optimizer["state"].items()}
+        state = {"weights": {name: deferred(p) for name, p in zip(self.names, self.params)},
+                 "optimizer": optimizer, "bad_steps_in_a_row": self.bad_steps_in_a_row,
+                 "updates_total": self.updates_total}
+        if self.ema is not None:
+            state["ema"] = {name: deferred(t) for name, t in zip(self.names, self.ema.shadow)}
+        return state
+
+    def produce(self, tensor: Deferred, keep: bool = True) -> torch.Tensor | None:
+        """One Deferred of checkpoint_skeleton whole on the CPU. Under FSDP it is gathered now (a
+        collective): every trainer produces the same ones in the same order, and only the leader,
+        which writes the file, keeps each (`keep`) for as long as it writes it."""
+        with torch.no_grad():
+            whole = whole_tensor(tensor.source)
+            whole = whole.to("cpu") if keep else None
+        self._bump()
+        return whole
 
     def checkpoint_state(self, keep: bool = True) -> dict | None:
-        """{"weights": name -> CPU tensor, "optimizer": state dict with whole CPU tensors}: the same
-        format sharded or not. Gathered one tensor at a time; only a rank with `keep` (the leader,
-        which writes the file) holds the result, so the others never hold more than one whole tensor
-        beyond their shard."""
-        weights = self._gathered(self.params, keep)
-        shadow = self._gathered(self.ema.shadow, keep) if self.ema is not None else None
-        optimizer = self.optimizer.state_dict()
-        state = {}
-        for i, entry in optimizer["state"].items():
-            state[i] = {}
-            for k, v in entry.items():
-                whole = v.full_tensor() if _is_sharded(v) else v
-                if keep:
-                    state[i][k] = whole.to("cpu")
-                del whole
-                self._bump()
-        if not keep:
-            return None
-        optimizer["state"] = state
-        return {"weights": weights, "optimizer": optimizer,
-                "bad_steps_in_a_row": self.bad_steps_in_a_row, "updates_total": self.updates_total,
-                **({"ema": shadow} if shadow is not None else {})}
+        """The whole checkpoint in memory: checkpoint_skeleton with every tensor produced (whole, on
+        the CPU) and kept where `keep`; other ranks take part in the gathers and keep nothing. The
+        reference the streamed file is checked against (tests); a run writes it streamed
+        (infra/bookkeeping.py), never holding it all."""
+        state = self.checkpoint_skeleton()
+        produced = {}
+        for tensor in checkpoint_file.deferred_order(state):
+            whole = self.produce(tensor, keep)
+            if keep:
+                produced[id(tensor)] = whole
+            del whole
+        return checkpoint_file.filled(state, produced) if keep else None
 
     def load_checkpoint_state(self, state: dict) -> None:
         """Inverse of checkpoint_state; re-shards whole tensors onto this rank's FSDP shards when
@@ -486,6 +501,29 @@ def _is_sharded(t) -> bool:
     return hasattr(t, "full_tensor")  # a DTensor (FSDP2 parameter or optimizer state)
 
 
+def whole_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP2 shard (a collective: every rank of its mesh calls it), else `t`.
+
+    Gathered with the all_gather_into_tensor FSDP2 itself runs, not DTensor.full_tensor(): on an
+    H200 with the compute plane on gloo and CUDA tensors (tools/gpu_session.sh part a, torch 2.11,
+    2026-12-04) full_tensor's functional all-gather segfaulted on both trainers at the first
+    publish, after FSDP2's own gathers had run the training. Shard(0) follows torch.chunk: rank i
+    holds rows [i c, (i + 1) c) of n, c = ceil(n / W), the last ones short or empty, so the padded
+    blocks' first n rows are the tensor."""
+    if not _is_sharded(t):
+        return t.detach()
+    if t.ndim == 0 or tuple(t.placements) != (Shard(0),):
+        return t.full_tensor()  # not FSDP2's layout: left to DTensor
+    local = t.to_local().detach()
+    group = t.device_mesh.get_group()
+    rows = -(-t.shape[0] // dist.get_world_size(group))  # c = ceil(n / W)
+    block = local.new_zeros((rows, *t.shape[1:]))  # [c, ...]
+    block[:local.shape[0]] = local
+    gathered = local.new_empty((rows * dist.get_world_size(group), *t.shape[1:]))  # [W c, ...]
+    dist.all_gather_into_tensor(gathered, block, group=group)
+    return gathered[:t.shape[0]]  # [n, ...]
+
+
 def _like(whole: torch.Tensor, param) -> torch.Tensor:
     """`whole` placed like `param`: the local FSDP shard of it, or a plain tensor on param's
     device."""
@@ -580,6 +618,9 @@ def shard_for_fsdp(policy, compute_group, keep_reference: bool) -> None:
         fully_shard(reference, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
         policy.reference_transformer = reference
     fully_shard(transformer, mesh=mesh, mp_policy=mp)
+    if getattr(policy, "masters_pending", False):  # fp32 masters of the shards only
+        models.make_fp32_masters(transformer)
+        policy.masters_pending = False
     for module in transformer.modules():
         if hasattr(module, "set_gradient_divide_factor"):
             # sum, not mean: pairs already carry 1/(N T_train)

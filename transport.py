@@ -5,7 +5,7 @@
     transport.broadcast_fragment(fragment, src, group) # TSP/TAG: the leader's copy to every trainer
     transport.FragmentSender(group, send)              # a background thread, so generation goes on
     transport.publish_weights(tensors, count, version, src, group, dtypes)   # TCSS: the leader
-    transport.receive_weights(src, group, shapes)      # TCSS: a rollout rank's mailbox thread
+    transport.WeightReceiver(src, group, shapes)       # TCSS: a rollout rank's mailbox thread
     transport.broadcast_command(command, src, group)   # TSP: the leader's (kind, a, b)
 
 The mechanism files (gap.py, tsp.py, tag.py, tcss.py) never touch torch.distributed for data:
@@ -216,56 +216,111 @@ def publish_weights(tensors: Iterable[torch.Tensor], count: int, version: int, s
         raise RuntimeError(f"published {sent} tensors, announced {count}")
 
 
-def receive_buckets(src: int, group, shapes: list[tuple[torch.Size, torch.dtype]],
-                    bucket_bytes: int | None = None,
-                    on_bucket: Callable[[], None] = lambda: None) -> list[torch.Tensor]:
-    """The publisher's buckets, cut the same way (fits_bucket); returns one view per weight.
-    `on_bucket()` after each bucket arrived."""
+def bucket_plan(shapes: list[tuple[torch.Size, torch.dtype]],
+                bucket_bytes: int | None = None
+                ) -> list[tuple[torch.dtype, list[torch.Size]]]:
+    """The buckets a publish of weights of these (shape, dtype)s is cut into (fits_bucket, as the
+    publisher cuts them, PUBLISH_BUCKET_BYTES unless given): (dtype, the shapes of its weights) per
+    bucket, in order."""
     bucket_bytes = bucket_bytes or PUBLISH_BUCKET_BYTES
-    buffers: list[torch.Tensor] = []
+    plan: list[tuple[torch.dtype, list[torch.Size]]] = []
     bucket: list[tuple[int, torch.dtype]] = []
-
-    def take() -> None:
-        flat = torch.empty(sum(b for b, _ in bucket) // bucket[0][1].itemsize, dtype=bucket[0][1])
-        dist.broadcast(flat, src=src, group=group)
-        on_bucket()
-        offset = 0
-        for shape, _ in shapes[len(buffers):len(buffers) + len(bucket)]:
-            buffers.append(flat[offset:offset + shape.numel()].view(shape))
-            offset += shape.numel()
-        bucket.clear()
-
     for shape, dtype in shapes:
         nbytes = shape.numel() * dtype.itemsize
-        if bucket and not fits_bucket(bucket, nbytes, dtype, bucket_bytes):
-            take()
+        if not (bucket and fits_bucket(bucket, nbytes, dtype, bucket_bytes)):
+            bucket = []
+            plan.append((dtype, []))
         bucket.append((nbytes, dtype))
-    if bucket:
-        take()
+        plan[-1][1].append(torch.Size(shape))
+    return plan
+
+
+def receive_buckets(src: int, group, shapes: list[tuple[torch.Size, torch.dtype]],
+                    bucket_bytes: int | None = None,
+                    flats: list[torch.Tensor] | None = None,
+                    on_bucket: Callable[[], None] = lambda: None) -> list[torch.Tensor]:
+    """The publisher's buckets, cut the same way (bucket_plan), each received into flats[i] (a
+    flat tensor per bucket, reused: WeightReceiver) or a new one; returns one view per weight.
+    `on_bucket()` after each bucket arrived."""
+    buffers: list[torch.Tensor] = []
+    for i, (dtype, bucket) in enumerate(bucket_plan(shapes, bucket_bytes)):
+        numel = sum(s.numel() for s in bucket)
+        flat = flats[i] if flats is not None else torch.empty(numel, dtype=dtype)
+        dist.broadcast(flat, src=src, group=group)  # [bucket numel] in the bucket's dtype
+        on_bucket()
+        offset = 0
+        for shape in bucket:
+            buffers.append(flat[offset:offset + shape.numel()].view(shape))
+            offset += shape.numel()
     return buffers
 
 
-def receive_weights(src: int, group, shapes: list[tuple[torch.Size, torch.dtype]],
-                    bucket_bytes: int | None = None,
-                    progress=None) -> tuple[int, list[torch.Tensor]]:
-    """The receiver (blocks until the next publish): (version, one tensor per weight); (version, [])
-    for a header-only message (tcss.STOP). `progress` (infra.progress.Progress): the wait for the
-    next publish is idle, receiving one is a named phase with a unit of progress per bucket."""
+def _receive_header(src: int, group, expected: int, progress=None) -> tuple[int, int]:
     header = torch.empty(2, dtype=torch.int64)
-    with _inside(progress, "next publish", idle=True):
+    with _inside(progress, "next publish", idle=True):  # waiting for work, not doing it
         dist.broadcast(header, src=src, group=group)
     version, count = int(header[0]), int(header[1])
-    if count == 0:
-        return version, []
-    if count != len(shapes):
-        raise RuntimeError(f"published weights have {count} tensors, this model has {len(shapes)}")
-    with _inside(progress, "receive weights"):
-        return version, receive_buckets(src, group, shapes, bucket_bytes,
-                                        progress.bump if progress is not None else lambda: None)
+    if count not in (0, expected):
+        raise RuntimeError(f"published weights have {count} tensors, this model has {expected}")
+    return version, count
 
 
 def _inside(progress, name: str, idle: bool = False):
     return progress.inside(name, idle=idle) if progress is not None else contextlib.nullcontext()
+
+
+def _bump_of(progress) -> Callable[[], None]:
+    return progress.bump if progress is not None else (lambda: None)
+
+
+def receive_weights(src: int, group, shapes: list[tuple[torch.Size, torch.dtype]],
+                    bucket_bytes: int | None = None,
+                    begin: Callable[[int], None] | None = None,
+                    progress=None) -> tuple[int, list[torch.Tensor]]:
+    """The receiver (blocks until the next publish), into new buffers every time: (version, one
+    tensor per weight); (version, []) for a header-only message (tcss.STOP). begin(version) is
+    called between the header and the weights. The reference for WeightReceiver, which reuses
+    its buffers (tests/test_host_memory.py). `progress` (infra.progress.Progress): the wait for the
+    next publish is idle, receiving one is a named phase with a unit of progress per bucket."""
+    version, count = _receive_header(src, group, len(shapes), progress)
+    if count == 0:
+        return version, []
+    if begin is not None:
+        begin(version)
+    with _inside(progress, "receive weights"):
+        return version, receive_buckets(src, group, shapes, bucket_bytes,
+                                        on_bucket=_bump_of(progress))
+
+
+class WeightReceiver:
+    """A rollout rank's receiving end of weight publishing, into buffers allocated at the first
+    publish and reused by every later one: one copy of the published weights on the host for the
+    whole run (24 GB for FLUX.1-dev's full weights in bf16), where new buffers per publish cost a
+    fresh 24 GB allocation (and page faults) per step and two copies at once whenever a publish
+    arrived before the last one was swapped in. The caller (tcss.Mailbox) must not read the
+    buffers from begin(version) until the call returns: they are being overwritten. `progress`
+    as for receive_weights."""
+
+    def __init__(self, src: int, group, shapes: list[tuple[torch.Size, torch.dtype]],
+                 bucket_bytes: int | None = None, progress=None):
+        self.src, self.group, self.shapes, self.bucket_bytes = src, group, shapes, bucket_bytes
+        self.progress = progress
+        self.flats: list[torch.Tensor] | None = None  # one flat tensor per bucket
+
+    def __call__(self, begin: Callable[[int], None] | None = None
+                 ) -> tuple[int, list[torch.Tensor]]:
+        """(version, one view per weight into the reused buffers); (version, []) for tcss.STOP."""
+        version, count = _receive_header(self.src, self.group, len(self.shapes), self.progress)
+        if count == 0:
+            return version, []
+        if begin is not None:
+            begin(version)
+        if self.flats is None:
+            self.flats = [torch.empty(sum(s.numel() for s in bucket), dtype=dtype)
+                          for dtype, bucket in bucket_plan(self.shapes, self.bucket_bytes)]
+        with _inside(self.progress, "receive weights"):
+            return version, receive_buckets(self.src, self.group, self.shapes, self.bucket_bytes,
+                                            self.flats, _bump_of(self.progress))
 
 
 # --- TSP's commands -------------------------------------------------------------------------------

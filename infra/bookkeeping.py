@@ -15,7 +15,7 @@ import os
 import time
 from collections.abc import Callable
 
-from infra import rundir
+from infra import checkpoint_file, rundir
 from infra.evaluation import Evaluator
 from infra.preemption import Preempted
 
@@ -97,19 +97,25 @@ class Bookkeeping:
             self._stop(step)
 
     def _record(self, step: int, metrics: dict) -> None:
-        cfg, state = self.cfg, None
+        cfg, checkpoint = self.cfg, None
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
             with self.tracer.span("eval", step=step), self.trainer.evaluation_weights():  # --ema: its weights
                 metrics.update(self.evaluator(self.policy, step + 1))  # eval_reward, ..._heldout_prompts; grids
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps or self.stop_agreed:
-            with self.tracer.span("checkpoint", step=step):
-                state = self.trainer.checkpoint_state(keep=self.leader)
+            # streamed: the leader writes each tensor as it is produced (under FSDP gathered: every trainer
+            # produces them in the same order, the others keep none)
+            checkpoint = (self.trainer.checkpoint_skeleton(), self.trainer.produce)
+            if not self.leader:
+                with self.tracer.span("checkpoint", step=step):
+                    for tensor in checkpoint_file.deferred_order(checkpoint[0]):
+                        self.trainer.produce(tensor, keep=False)
         if self.leader:
             metrics.update(self.initial_eval)
             self.initial_eval.clear()
-            # metrics, plots, W&B report no progress; the checkpoint reports one unit per record written
+            # metrics, plots, W&B report no progress; the checkpoint reports one unit per tensor produced and
+            # one per record written
             with self.job.progress.excused("write the run directory"):
-                rundir.record_step(self.run_dir, cfg, self.policy, step, metrics, state, self.tracer,
+                rundir.record_step(self.run_dir, cfg, self.policy, step, metrics, checkpoint, self.tracer,
                                    on_write=self.job.progress.bump)
 
     def _stop(self, step: int) -> None:

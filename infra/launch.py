@@ -14,7 +14,9 @@ a rank killed by a signal, else the earliest report.
 - Stopping: SIGTERM or SIGINT to the launcher is forwarded (once) to every rank, which stop after the current
   step with a checkpoint (infra/preemption.py); the launcher waits for them and exits with their status 75.
   Another signal more than preemption.SAME_REQUEST_S later SIGKILLs the ranks at once.
-- The ranks die with the launcher (infra/lifeline.py): a SIGKILLed launcher leaves no rank behind.
+- The ranks die with the launcher (infra/lifeline.py): a SIGKILLed launcher leaves no rank behind. They also
+  inherit the run lock's descriptor (`held_fd`), so the run directory stays locked until the last of them is gone,
+  and get the job store's secret (DIGENRL_JOB_SECRET if set, else a new random one: infra/jobstore.py).
 - CPU ranks are forked from a forkserver that imported torch, diffusers and main.py once (start_method_for,
   infra/rank_server.py); ranks that may use CUDA are spawned fresh.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -35,6 +38,7 @@ from infra.liveness import FROZEN, GONE, STALLED  # reports of a liveness watchd
 from infra.preemption import EXIT_PREEMPTED, StopSignals, signal_name
 
 HOST = "127.0.0.1"
+SECRET_ENV = "DIGENRL_JOB_SECRET"  # the job store's secret (infra/jobstore.py): set in every rank by launch()
 PREEMPTED_WAIT_S = 60.0  # after one rank exited preempted, the others must follow within this
 
 
@@ -70,12 +74,37 @@ def _let_the_forkserver_go() -> None:
         server._forkserver_alive_fd = None
 
 
-def _entry(target, rank, world, master, payload, failures, threads, launcher_pid):
+class InheritedFd:
+    """An open file descriptor every rank keeps for its whole life: the run lock's (infra/runlock.py), whose flock
+    is then released only when the launcher and every rank are gone. Pickled for spawned and forkserver ranks the
+    way multiprocessing hands over sockets (reduction.DupFd); a forked rank has it already."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+        return _inherited, (reduction.DupFd(self.fd),)
+
+
+def _inherited(dup) -> InheritedFd:
+    return InheritedFd(dup.detach())
+
+
+_KEPT: list[int] = []  # descriptors a rank holds until it exits (never closed: the kernel closes them at exit)
+
+
+def _entry(target, rank, world, master, payload, failures, threads, launcher_pid, held=None, secret=None):
     if os.getppid() == launcher_pid:  # spawned
         lifeline.die_with_parent(launcher_pid)
     else:  # forked by the forkserver, which must end with the launcher for the lifeline to hold
         _let_the_forkserver_go()
         lifeline.die_with_parent()
+    if held is not None:
+        os.set_inheritable(held.fd, False)  # a process the rank starts must not keep the run locked
+        _KEPT.append(held.fd)
+    if secret is not None:  # through the start method's pipe: never on a command line
+        os.environ[SECRET_ENV] = secret
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     import faulthandler
     faulthandler.enable()  # a rank that aborts in native code (SIGABRT/SIGSEGV) still prints its Python stack
@@ -162,20 +191,23 @@ def main_module() -> str | None:
 
 
 def launch(target, payload, nproc: int, role_of: Callable[[int], str], threads: int = 1,
-           start_method: str = "spawn", preload: tuple[str, ...] = ()) -> int:
+           start_method: str = "spawn", preload: tuple[str, ...] = (), held_fd: int | None = None) -> int:
     """Spawn `nproc` ranks running target(payload, rank, world, local_rank, master, agent_store, report_silent);
     returns 0, EXIT_PREEMPTED when they stopped on a signal with a checkpoint, 128 + signal when killed on a
     second signal, or 1 after printing which rank failed first. `start_method`: "spawn" (fresh processes, as
     CUDA needs), "forkserver" (CPU: `preload` modules imported once, the ranks forked from that process), or
-    "fork" only for tests whose ranks should share the launcher's imports (tests/rendezvous_job.py)."""
+    "fork" only for tests whose ranks should share the launcher's imports (tests/rendezvous_job.py). `held_fd`:
+    a descriptor every rank keeps open until it exits (the run lock's)."""
     ctx = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
         ctx.set_forkserver_preload(["infra.rank_server", *preload])  # the guard first: SIGTERM ignored throughout
     listener = listening_socket()  # held until rank 0's store serves on it
     master = (HOST, listener.getsockname()[1])
     failures = ctx.SimpleQueue()
+    held = InheritedFd(held_fd) if held_fd is not None else None
+    secret = os.environ.get(SECRET_ENV) or secrets.token_hex(32)  # the job store's (infra/jobstore.py)
     procs = [ctx.Process(target=_entry, args=(target, r, nproc, master + ((listener,) if r == 0 else ()), payload,
-                                              failures, threads, os.getpid()))
+                                              failures, threads, os.getpid(), held, secret))
              for r in range(nproc)]
     forwarder = _Forwarder(procs)
     signals = StopSignals(forwarder.first, forwarder.again)

@@ -21,7 +21,8 @@ every `interval` seconds:
 - excuses with bounded patience: while its main thread is inside an `excused` section (loading the pipeline, a
   reward function, writing files: code that cannot report progress) the watchdog moves the rank's counter itself,
   for at most `excused_timeout_s` (--excused-timeout-s, default EXCUSED_TIMEOUT_FACTOR x timeout_s) since the
-  section began or the main thread last bumped inside it; past that its silence counts like any other's, so a
+  section began or the main thread last bumped inside it, or until the bound a section states (`up_to_s`: a
+  remote reward's deadlines and retries); past that its silence counts like any other's, so a
   hung disk, download or reward ends the job within excused_timeout_s + timeout_s, named;
 - after a stop request (`asked_to_stop`, SIGTERM on a running rank) nothing is excused any more and the job
   ends once no rank has progressed for min(timeout_s, stop_grace_s): a healthy job finishes its step and writes
@@ -106,6 +107,12 @@ class Liveness:
             return ""
         if self.asked_at is not None:
             return "; not excused after a stop request"
+        stated = self.progress.excused_until_s()  # a section that knows how long it can take (a remote reward)
+        if stated is not None:
+            if now < stated:
+                self.progress.tick()
+                return ""
+            return "; silent past its stated bound"
         quiet = now - max(since, self._own_moved)  # a bump inside the section restarts its patience
         if quiet < self.excused_timeout_s:
             self.progress.tick()

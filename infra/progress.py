@@ -6,8 +6,8 @@ inside right now.
     with progress.inside("process groups"):          # a named phase that is not a trace span
         groups = comm.build_groups(...)
     progress.bump()                                  # one unit done: a forward, a pack, a fragment, a tensor, a bucket
-    with progress.excused("reward"):                 # code that reports nothing (a user's reward function)
-        scores = reward_fn(images, prompts)
+    with progress.excused("reward", up_to_s=90):     # code that reports nothing (a reward function); a known
+        scores = reward_fn(images, prompts)           # bound (90 s) replaces --excused-timeout-s
     with progress.inside("next publish", idle=True): # a background thread waiting for work, not doing it
         header = receive_header()
     progress.start()                                 # start-up is over: the rank's loop begins
@@ -25,7 +25,9 @@ Where the code cannot report anything (loading the pipeline, building the reward
 the run directory or the trace), it runs inside an `excused` section: the watchdog moves the counter itself
 (`tick`) while the process is alive, but only for --excused-timeout-s since the section began or since the
 main thread last bumped inside it (infra/liveness.py); past that the section's silence counts like any other,
-so a disk, a download or a reward that hangs is found. Start-up and shutdown are not excused as such: their
+so a disk, a download or a reward that hangs is found. A section that knows how long it can take says so
+(`up_to_s`: a remote reward's call ends within its requests' deadlines and retries, rewards/remote.py): that
+bound replaces --excused-timeout-s for as long as the section is open. Start-up and shutdown are not excused as such: their
 collectives ("connect", "process groups", "align clocks", "resume", "trace gather", "last barrier") are named
 phases, and each finished one is a bump.
 
@@ -45,10 +47,12 @@ STARTING, RUNNING, FINISHING = "starting", "running", "finishing"
 class _Inside:
     """Context manager of one activity on the calling thread's stack (a class with slots: cheap)."""
 
-    __slots__ = ("progress", "name", "step", "excuse", "idle", "stack")
+    __slots__ = ("progress", "name", "step", "excuse", "idle", "stack", "up_to_s", "until")
 
-    def __init__(self, progress: "Progress", name: str, step: int | None, excuse: bool, idle: bool = False):
+    def __init__(self, progress: "Progress", name: str, step: int | None, excuse: bool, idle: bool = False,
+                 up_to_s: float | None = None):
         self.progress, self.name, self.step, self.excuse, self.idle = progress, name, step, excuse, idle
+        self.up_to_s, self.until = up_to_s, None
 
     def __enter__(self) -> "_Inside":
         p = self.progress
@@ -67,12 +71,17 @@ class _Inside:
                 if p.excused_depth == 0:
                     p.excused_at = now
                 p.excused_depth += 1
+                if self.up_to_s is not None:  # the earliest end of the open bounded excuses counts
+                    self.until = now + self.up_to_s
+                    p.excused_until.append(self.until)
         return self
 
     def __exit__(self, *exc) -> None:
         self.stack.pop()
         if self.excuse and threading.get_ident() == self.progress.main_ident:
             self.progress.excused_depth -= 1
+            if self.until is not None:
+                self.progress.excused_until.remove(self.until)
 
 
 class Progress:
@@ -86,6 +95,7 @@ class Progress:
         self.phase = STARTING
         self.excused_depth = 0
         self.excused_at = 0.0  # when the outermost excused section of the main thread began (monotonic)
+        self.excused_until: list[float] = []  # monotonic ends of the open excuses that state one (main thread)
         self.main_ident = threading.main_thread().ident
         self.stacks: dict[int, list[tuple[str, float, bool]]] = {}  # thread id -> [(activity, since, idle)]
         self.thread_names: dict[int, str] = {}
@@ -106,10 +116,10 @@ class Progress:
         background thread waiting for work (the mailbox between publishes), named only when nothing else is."""
         return _Inside(self, name, step, excuse=False, idle=idle)
 
-    def excused(self, name: str) -> _Inside:
+    def excused(self, name: str, up_to_s: float | None = None) -> _Inside:
         """`with progress.excused("reward"):` a main-thread section that reports no progress of its own, excused
-        for --excused-timeout-s (infra/liveness.py)."""
-        return _Inside(self, name, None, excuse=True)
+        for --excused-timeout-s (infra/liveness.py), or for `up_to_s` seconds when it states how long it can take."""
+        return _Inside(self, name, None, excuse=True, up_to_s=up_to_s)
 
     def each(self, items: Iterable) -> Iterator:
         """Yield `items`, one bump per item consumed (drops its reference before fetching the next: a just-in-time
@@ -130,6 +140,12 @@ class Progress:
     def excused_since(self) -> float | None:
         """When the main thread's current excused section began (time.monotonic()); None outside one."""
         return self.excused_at if self.excused_depth > 0 else None
+
+    def excused_until_s(self) -> float | None:
+        """The earliest stated end (time.monotonic()) of the main thread's open excused sections; None if none
+        states one (then --excused-timeout-s bounds them)."""
+        until = list(self.excused_until)  # the main thread may change it meanwhile
+        return min(until) if until else None
 
     def tick(self) -> None:
         self.ticks += 1

@@ -15,6 +15,8 @@
   `note` says so.
 - A `.jsonl` file (or a text file whose first line is a JSON object) given as a text file is refused: its lines
   would be trained on as raw JSON. Give the folder that holds `train_metadata.jsonl` / `test_metadata.jsonl`.
+- A path that is not a regular file (a device such as /dev/zero, a pipe) or a file over MAX_PROMPT_FILE_BYTES is
+  refused before it is read.
 - A prompt holding a control character other than tab (NUL, escape, form feed, ...; a binary file that happens to
   decode as UTF-8) is refused naming the file, the line and the character.
 Every problem is a ValueError naming the path and what is expected; config.validate calls this before spawning.
@@ -27,6 +29,19 @@ import os
 import unicodedata
 
 MAX_HELD_OUT = 8  # held-out prompts cut from a plain text file (each costs one generation per evaluation)
+# Flow-GRPO's largest prompt set (pickscore train.txt) is ~2 MB; a file that is not a regular one (a device, a pipe)
+# or over this size is refused before it is read, not read until memory runs out (/dev/zero)
+MAX_PROMPT_FILE_BYTES = 256 * 2**20
+
+
+def _check_readable(path: str) -> None:
+    if not os.path.isfile(path):  # follows links: a link to a regular file is one
+        raise ValueError(f"--prompt-file {path!r} is not a regular file (a device, a pipe, a socket?): give a text "
+                         "file or a Flow-GRPO dataset folder")
+    size = os.path.getsize(path)
+    if size > MAX_PROMPT_FILE_BYTES:
+        raise ValueError(f"--prompt-file {path!r} is {size / 2**20:.0f} MiB: at most "
+                         f"{MAX_PROMPT_FILE_BYTES // 2**20} MiB of prompts are read")
 
 
 @dataclasses.dataclass
@@ -48,6 +63,7 @@ def _check_text(path: str, number: int, text: str) -> None:
 
 
 def _read_text(path: str) -> list[str]:
+    _check_readable(path)
     try:
         with open(path, encoding="utf-8", newline="") as f:
             lines = [line.rstrip("\r\n") for line in f]
@@ -60,6 +76,7 @@ def _read_text(path: str) -> list[str]:
 
 def _read_jsonl(path: str) -> tuple[list[str], list[dict]]:
     prompts, rows = [], []
+    _check_readable(path)
     try:
         with open(path, encoding="utf-8") as f:
             for number, line in enumerate(f, 1):

@@ -8,14 +8,20 @@ runs/<name>/
   before_after.png       the first evaluation next to the latest one, same prompts and noises (videos: .gif)
   tensorboard/, wandb/   with --tensorboard / --wandb (infra/tracking.py); wandb_id.txt: the W&B run to resume
   checkpoints/step_000050/  state.pt (weights, optimizer, step, RNG, config: tensors and plain data only, loaded
-                            with weights_only=True: a state.pt that would run code is refused) and, with LoRA,
+                            with weights_only=True: a state.pt that would run code is refused; written one tensor
+                            at a time, infra/checkpoint_file.py, as torch.save writes it) and, with LoRA,
                             pytorch_lora_weights.safetensors that `pipe.load_lora_weights` accepts
                             (alpha, rank and targets in its header: diffusers' LoRA adapter metadata)
-Every file is written atomically (temporary name, flush, fsync, rename): a crash never leaves half a file.
+Every file is written atomically (temporary name, flush, fsync, rename): a crash never leaves half a file. A full or
+read-only disk (ENOSPC, EDQUOT, EROFS, EACCES) is an OutputWriteError that says so in one line; a checkpoint it cut
+is removed and the last complete one kept. Before any rank starts, `check_free_space` asks for room for
+--keep-checkpoints + 1 checkpoints (`checkpoint_bytes_estimate`: a lower bound).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -28,15 +34,35 @@ import numpy as np
 import torch
 
 
+class OutputWriteError(RuntimeError):
+    """The run directory's disk refused a write (full, over quota, read-only, no permission): one line."""
+
+
+_DISK_REFUSED = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG}
+
+
+@contextlib.contextmanager
+def writing(what: str, kept: str = ""):
+    """Turn a disk's refusal while writing `what` into an OutputWriteError naming it (`kept`: what is left)."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in _DISK_REFUSED:
+            raise
+        name = errno.errorcode.get(error.errno, str(error.errno))
+        raise OutputWriteError(f"writing {what} failed: {error.strerror} [{name}]{kept}") from None
+
+
 def atomic_write(path: str, write) -> None:
     """write(tmp_path) then rename onto `path`; the old file survives any crash before the rename."""
     tmp = f"{path}.tmp{os.getpid()}"
     try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with writing(path, "; the previous version of the file is kept"):
+            write(tmp)
+            with open(tmp, "rb+") as f:
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)  # a failed write leaves neither a half file nor a stray temporary
@@ -146,8 +172,10 @@ class RunDir:
     """Owned by the trainer leader; every method is a no-op-free plain file operation."""
 
     def __init__(self, path: str, config_json: str, tensorboard: bool = False, keep_checkpoints: int = 2,
-                 wandb: dict | None = None):
-        """`wandb`: None, or WandbTracker's keyword arguments (project, name, config): infra/tracking.py."""
+                 wandb: dict | None = None, first_step: int = 0):
+        """`wandb`: None, or WandbTracker's keyword arguments (project, name, config): infra/tracking.py.
+        `first_step`: the step a resumed run starts at; TensorBoard hides what an earlier job logged from it on
+        (those steps are redone, and were shown twice)."""
         self.path, self.keep = path, keep_checkpoints
         os.makedirs(os.path.join(path, "eval"), exist_ok=True)
         os.makedirs(os.path.join(path, "checkpoints"), exist_ok=True)
@@ -156,7 +184,7 @@ class RunDir:
         self.tb = self.wandb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(os.path.join(path, "tensorboard"))
+            self.tb = SummaryWriter(os.path.join(path, "tensorboard"), purge_step=first_step or None)
         if wandb is not None:
             from infra.tracking import WandbTracker
             self.wandb = WandbTracker(path, **wandb)
@@ -164,8 +192,8 @@ class RunDir:
     def log(self, step: int, metrics: dict) -> None:
         row = {"step": step, **{k: (float(v) if isinstance(v, (int, float, np.floating)) else v)
                                 for k, v in metrics.items()}}
-        with open(self.metrics_path, "a") as f:  # append-only: a crash loses at most the last line
-            f.write(json.dumps(row) + "\n")
+        with writing(self.metrics_path), open(self.metrics_path, "a") as f:  # append-only: a crash loses at most
+            f.write(json.dumps(row) + "\n")                                    # the last line
             f.flush()
         if self.tb is not None:
             for k, v in row.items():
@@ -219,45 +247,45 @@ class RunDir:
             gc.collect()
 
     # --- checkpoints -------------------------------------------------------------------------
-    def save_checkpoint(self, step: int, state: dict, lora_layers: dict | None, pipeline_class,
+    def save_checkpoint(self, step: int, state: dict, produce=None, lora_layers=None, pipeline_class=None,
                         lora_metadata: dict | None = None, on_write: Callable[[], None] | None = None) -> str:
-        """`lora_metadata` (models.lora_metadata: rank, alpha, targets) goes into the LoRA file's header, where
-        `pipe.load_lora_weights` reads it back. `on_write()` after every record written to state.pt (one per
-        tensor: liveness' progress while minutes of a large checkpoint go to disk)."""
+        """state.pt is torch.save(state), written streamed (infra/checkpoint_file.py): each
+        checkpoint_file.Deferred in `state` is asked of produce(deferred) when the file reaches it and let go
+        once written, so the whole state is never in memory. `lora_layers(weights)` (name -> tensor, read back
+        memory-mapped from the state.pt just written) gives the LoRA file's layers; `lora_metadata`
+        (models.lora_metadata: rank, alpha, targets) goes into its header, where `pipe.load_lora_weights`
+        reads it back. `on_write()` after every record written to state.pt (one per tensor: liveness' progress
+        while minutes of a large checkpoint go to disk). The folder appears complete or not at all: a crash mid-save leaves a .partial folder,
+        never the latest checkpoint."""
+        from infra import checkpoint_file
+
         final = os.path.join(self.path, "checkpoints", f"step_{step:06d}")
         tmp = final + ".partial"
         shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        with open(os.path.join(tmp, "state.pt"), "wb") as f:
-            torch.save(state, _Reporting(f, on_write) if on_write is not None else f)
-        with open(os.path.join(tmp, "meta.json"), "w") as f:  # what --resume checks, without loading state.pt
-            json.dump({"step": state["step"], "identity": state["identity"]}, f)
-        if lora_layers is not None:
-            pipeline_class.save_lora_weights(tmp, transformer_lora_layers=lora_layers,
-                                             transformer_lora_adapter_metadata=lora_metadata)
-        for name in os.listdir(tmp):
-            with open(os.path.join(tmp, name), "rb+") as f:
-                os.fsync(f.fileno())
+        last = list_checkpoints(self.path)
+        kept = (f"; the last complete checkpoint, {os.path.basename(last[-1])}, is kept: make room, then --resume "
+                f"{self.path}" if last else "; there is no complete checkpoint yet")
+        try:
+            with writing(f"checkpoint {final}", kept):
+                os.makedirs(tmp)
+                checkpoint_file.save(state, os.path.join(tmp, "state.pt"), produce, on_write)
+                with open(os.path.join(tmp, "meta.json"), "w") as f:  # what --resume checks without state.pt
+                    json.dump({"step": state["step"], "identity": state["identity"]}, f)
+                if lora_layers is not None:
+                    layers = lora_layers(load_state(tmp)["weights"])  # read back memory-mapped
+                    pipeline_class.save_lora_weights(tmp, transformer_lora_layers=layers,
+                                                     transformer_lora_adapter_metadata=lora_metadata)
+                for name in os.listdir(tmp):
+                    with open(os.path.join(tmp, name), "rb+") as f:
+                        os.fsync(f.fileno())
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # a cut checkpoint frees its room, and is never taken for one
+            raise
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)  # the directory appears complete or not at all
         for old in list_checkpoints(self.path)[:-self.keep]:
             shutil.rmtree(old, ignore_errors=True)
         return final
-
-
-class _Reporting:
-    """A file that calls `on_write()` after each write (torch.save writes each tensor's record in one call)."""
-
-    def __init__(self, file, on_write: Callable[[], None]):
-        self.file, self.on_write = file, on_write
-
-    def write(self, data) -> int:
-        written = self.file.write(data)
-        self.on_write()
-        return written
-
-    def flush(self) -> None:
-        self.file.flush()
 
 
 def list_checkpoints(run_path: str) -> list[str]:
@@ -276,19 +304,15 @@ def identity(cfg) -> dict:
     return {k: getattr(cfg, k) for k in IDENTITY_FIELDS}
 
 
-# Older checkpoints kept numpy's RNG state as a numpy array: allowed by name (an array of numbers runs no code).
-_NUMPY_ARRAY_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32)),
-                        getattr(np, "_core", getattr(np, "core", None)).multiarray._reconstruct]
-
-
 def load_state(checkpoint: str) -> dict:
     """A checkpoint's state.pt, memory-mapped (each tensor is read when it is used), with weights_only=True:
-    tensors and plain data only. A pickle that names anything else (a class, os.system, ...) could run code on
-    load and is refused with a ValueError: a shared checkpoint or run folder must not run code."""
+    tensors and plain data only. A pickle that names anything else (a class, os.system, numpy's array
+    reconstruction, which builds arrays of any declared size and dtype from the file's bytes) is refused with a
+    ValueError: a shared checkpoint or run folder must not run code. (A storage declaring more bytes than the file
+    holds is mapped as the bytes there are, and a tensor larger than its storage is torch's RuntimeError.)"""
     path = os.path.join(checkpoint, "state.pt")
     try:
-        with torch.serialization.safe_globals(_NUMPY_ARRAY_GLOBALS):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError as error:
         if "weights only" not in str(error).lower():  # not torch's refusal: a file that is no checkpoint at all
             raise ValueError(f"checkpoint {path!r} cannot be read: {str(error).splitlines()[0]}") from None
@@ -297,19 +321,56 @@ def load_state(checkpoint: str) -> dict:
         raise ValueError(f"checkpoint {path!r} holds more than tensors and plain data ({why}): refused to load it, "
                          "since unpickling it could run code. Only resume from checkpoints this project "
                          "wrote") from None
-    except (OSError, RuntimeError, EOFError) as error:  # truncated or not a torch file at all
+    except (OSError, RuntimeError, EOFError, ValueError, MemoryError) as error:  # truncated, not a torch file, ...
         raise ValueError(f"checkpoint {path!r} cannot be read: {type(error).__name__}: "
                          f"{str(error).splitlines()[0] if str(error) else ''}") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"checkpoint {path!r} holds a {type(state).__name__}, not a checkpoint's dict")
+    return state
+
+
+CHECKPOINT_FLOOR_BYTES = 64 * 2**20  # the least room asked for one checkpoint (LoRA or tiny weights, RNG, config)
+
+
+def checkpoint_bytes_estimate(cfg) -> int:
+    """A lower bound of one checkpoint's size. Full fine-tuning of --pretrained weights saves the trainable
+    weights and AdamW's two moments: with fp32 masters 12 bytes a parameter (16 with --ema), 6 of the transformer's
+    2 on disk (bf16); pure bf16 6 bytes (8), 3 of them. LoRA and the tiny pipelines: CHECKPOINT_FLOOR_BYTES."""
+    if cfg.lora or cfg.pretrained is None:
+        return CHECKPOINT_FLOOR_BYTES
+    import models
+    folder = os.path.join(models.resolve_pretrained(cfg.model, cfg.pretrained), "transformer")
+    on_disk = sum(os.path.getsize(os.path.join(folder, n)) for n in os.listdir(folder)
+                  if n.endswith((".safetensors", ".bin"))) if os.path.isdir(folder) else 0
+    per_disk_byte = (6 if cfg.fp32_master else 3) + ((2 if cfg.fp32_master else 1) if cfg.ema else 0)
+    return max(CHECKPOINT_FLOOR_BYTES, on_disk * per_disk_byte)
+
+
+def check_free_space(run_path: str, need: int) -> None:
+    """Before any rank starts: ValueError when the run directory's disk has less than `need` bytes free."""
+    free = shutil.disk_usage(run_path).free
+    if free < need:
+        raise ValueError(f"run directory {run_path!r} is on a disk with {free / 2**30:.2f} GiB free; its checkpoints "
+                         f"need about {need / 2**30:.2f} GiB (--keep-checkpoints plus the one being written): make "
+                         "room, give another --out-dir or fewer --keep-checkpoints")
 
 
 def _meta(checkpoint: str) -> dict:
     """{"step", "identity"} of a checkpoint: meta.json, or (older checkpoints) state.pt memory-mapped."""
     path = os.path.join(checkpoint, "meta.json")
     if os.path.isfile(path):
-        with open(path) as f:
-            return json.load(f)
-    state = load_state(checkpoint)
-    return {"step": state["step"], "identity": state["identity"]}
+        try:
+            if os.path.getsize(path) > 2**20:  # a step and six settings
+                raise ValueError(f"{os.path.getsize(path)} bytes")
+            with open(path) as f:
+                meta = json.load(f)
+        except (OSError, ValueError, RecursionError) as error:
+            raise ValueError(f"checkpoint {checkpoint!r}: meta.json cannot be read ({str(error)[:200]})") from None
+    else:
+        meta = load_state(checkpoint)
+    if not (isinstance(meta, dict) and type(meta.get("step")) is int and isinstance(meta.get("identity"), dict)):
+        raise ValueError(f"checkpoint {checkpoint!r} has no step number and identity (is it a checkpoint?)")
+    return {"step": meta["step"], "identity": meta["identity"]}
 
 
 def checkpoint_step(checkpoint: str) -> int:
@@ -421,7 +482,8 @@ def open_run_dir(cfg, steps) -> RunDir:
     path and the resolved config."""
     run_path = cfg.resume or os.path.join(cfg.out_dir, cfg.run_name or default_run_name(cfg))
     wandb = dict(project=cfg.wandb_project, name=cfg.wandb_name, config=dataclasses.asdict(cfg)) if cfg.wandb else None
-    run_dir = RunDir(run_path, to_json(cfg), cfg.tensorboard, cfg.keep_checkpoints, wandb)
+    run_dir = RunDir(run_path, to_json(cfg), cfg.tensorboard, cfg.keep_checkpoints, wandb,
+                     first_step=steps.start if cfg.resume else 0)
     if cfg.resume:
         redone = sorted({r["step"] for r in run_dir.read_metrics() if r["step"] >= steps.start})
         run_dir.truncate_metrics(steps.start)
@@ -434,18 +496,22 @@ def open_run_dir(cfg, steps) -> RunDir:
     return run_dir
 
 
-def record_step(run_dir: RunDir, cfg, policy, step: int, metrics: dict, state: dict | None, tracer,
+def record_step(run_dir: RunDir, cfg, policy, step: int, metrics: dict, checkpoint: tuple | None, tracer,
                 on_write: Callable[[], None] | None = None) -> None:
-    """The leader's end of a step: the metrics row; with `state` (Trainer.checkpoint_state), a checkpoint (and the
-    LoRA file diffusers loads; `on_write` per record written) and the reward curve."""
+    """The leader's end of a step: the metrics row; with `checkpoint` = (state, produce) (Trainer.checkpoint_skeleton,
+    Trainer.produce), a checkpoint written streamed (and the LoRA file diffusers loads; `on_write` per record
+    written) and the reward curve."""
+    import functools
+
     import models
 
     run_dir.log(step, metrics)
-    if state is not None:
+    if checkpoint is not None:
+        state, produce = checkpoint
         with tracer.span("checkpoint", step=step):
             state.update(step=step + 1, rng=rng_state(), identity=identity(cfg),
                          config=dataclasses.asdict(cfg))
-            lora = models.lora_state_for_diffusers(policy.transformer, state["weights"]) if cfg.lora else None
+            lora = functools.partial(models.lora_state_for_diffusers, policy.transformer) if cfg.lora else None
             meta = models.lora_metadata(policy.transformer) if cfg.lora else None  # alpha, rank, targets
-            run_dir.save_checkpoint(step + 1, state, lora, policy.family.pipeline_class(), meta, on_write)
+            run_dir.save_checkpoint(step + 1, state, produce, lora, policy.family.pipeline_class(), meta, on_write)
         run_dir.plot_rewards()

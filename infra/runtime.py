@@ -6,9 +6,10 @@
     ...the rank's loop...
     runtime.shutdown(job, cfg, groups, tracer, run_dir, device)
 
-The store, liveness (infra/liveness.py: started first, so a rank that never joins the process group is found),
-the default process group (comm.py chooses its backend) and preemption (infra/preemption.py); at the end the
-trace and the last barrier. Every step of it is a named phase for liveness' report, and a bump once done.
+The store (sealed with the job's secret: infra/jobstore.py), liveness (infra/liveness.py: started first, so a
+rank that never joins the process group is found), the default process group (comm.py chooses its backend) and
+preemption (infra/preemption.py); at the end the trace and the last barrier. Every step of it is a named phase
+for liveness' report, and a bump once done.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 
 import comm
 import models
+from infra.jobstore import SignedStore, job_key
 from infra.launch import open_store
 from infra.liveness import Liveness
 from infra.preemption import Preemption
@@ -33,13 +35,13 @@ from infra.tracing import Tracer, gather_spans, write_chrome_trace, write_timeli
 class Job:
     """This rank's connection to the job: None where the world is one rank."""
 
-    store: dist.Store | None
+    store: SignedStore | None  # the job's store, sealed with its secret (infra/jobstore.py)
     watch: Liveness | None  # heartbeats: a dead or frozen peer ends the job, named
     progress: Progress  # what liveness watches (per forward, pack, fragment, tensor, step)
     preemption: Preemption  # the stop request the trainers agree on at a step's end
 
-    def prefixed(self, name: str) -> dist.Store | None:
-        return dist.PrefixStore(name, self.store) if self.store is not None else None
+    def prefixed(self, name: str) -> SignedStore | None:
+        return self.store.prefixed(name) if self.store is not None else None
 
     def phase(self, name: str, fn, *args, **kwargs):
         """fn(*args, **kwargs) inside the named phase liveness reports, then one unit of progress."""
@@ -79,17 +81,23 @@ def name_process(name: str) -> None:
 
 
 def connect(cfg, rank: int, world: int, local_rank: int, master: tuple, agent_store: bool, report_silent,
-            device: str, roles: list[str]) -> Job:
-    """The store, liveness and the default process group (world > 1), and preemption (always)."""
-    store, watch, progress = None, None, Progress()
+            device: str, roles: list[str], store=None) -> Job:
+    """The store (`store`, if this process opened it already), liveness and the default process group
+    (world > 1), and preemption (always)."""
+    watch, progress = None, Progress()
     if world > 1:
-        if local_rank == 0 and (warning := comm.loopback_data_plane(os.environ)):
-            print(f"[digenrl] warning: {warning}", file=sys.stderr, flush=True)
-        store = open_store(master, world, is_master=(rank == 0 and not agent_store), timeout_s=cfg.timeout_s)
-        watch = Liveness(dist.PrefixStore("liveness", store), rank, roles, cfg.timeout_s, report_silent,
+        if store is None:
+            store = open_store(master, world, is_master=(rank == 0 and not agent_store), timeout_s=cfg.timeout_s)
+        if not isinstance(store, SignedStore):  # infra/node_fetch.py's is sealed already
+            store = SignedStore(store, job_key())  # only the job's ranks read and write it
+        watch = Liveness(store.prefixed("liveness"), rank, roles, cfg.timeout_s, report_silent,
                          progress=progress, excused_timeout_s=cfg.excused_timeout_s,
                          stop_grace_s=cfg.stop_grace_s).start()
-        with progress.inside("connect"):  # every rank: collectives wait (NO_DEADLINE) until all have joined
+        with progress.inside("connect"):  # every rank: these wait (NO_DEADLINE) until all have joined
+            store.check_peers(rank, world)
+            hosts = comm.gather_hosts(store, rank, world)  # the first rank on each host checks it
+            if hosts.index(hosts[rank]) == rank and (warning := comm.loopback_data_plane(os.environ, hosts)):
+                print(f"[digenrl] warning: {warning}", file=sys.stderr, flush=True)
             use_cuda = device.startswith("cuda")
             gpus = comm.gather_device_identities(store, rank, world, comm.this_device_identity(device)) \
                 if use_cuda else []
@@ -97,6 +105,8 @@ def connect(cfg, rank: int, world: int, local_rank: int, master: tuple, agent_st
                                                cfg.backend)
             if rank == 0:
                 print(f"[digenrl] compute plane: {backend} ({why})", flush=True)
+            # a C++ PrefixStore over the Python one: torch's new_group asks the default group's store for what
+            # only C++ stores implement
             dist.init_process_group(backend, store=dist.PrefixStore("pg", store), rank=rank, world_size=world,
                                     timeout=comm.NO_DEADLINE)
         progress.bump()
@@ -105,7 +115,7 @@ def connect(cfg, rank: int, world: int, local_rank: int, master: tuple, agent_st
         return "; ".join(f"{watch.describe(r)} died" for r in watch.dead_local_peers()) if watch else None
 
     # SIGTERM: stop after the current step with a checkpoint; at once when a peer is dead already, naming it
-    preemption = Preemption(dist.PrefixStore("preemption", store) if store is not None else None, rank, world,
+    preemption = Preemption(store.prefixed("preemption") if store is not None else None, rank, world,
                             urgent=urgent, finishing=watch.finishing if watch is not None else _nothing,
                             hosts_store=rank == 0 and not agent_store,
                             starting=lambda: progress.phase == STARTING,  # nothing to save yet: stop at once
@@ -139,7 +149,8 @@ def _load_policy(cfg, device: str, dtype: torch.dtype, groups: comm.Groups, prog
         if cfg.init_lora and not cfg.resume:  # every rank starts from the file (a resumed run: from its checkpoint)
             models.load_init_lora(policy.transformer, cfg.init_lora)
     else:
-        models.enable_full_training(policy, fp32_master=cfg.fp32_master and groups.is_trainer)
+        models.enable_full_training(policy, fp32_master=cfg.fp32_master and groups.is_trainer,
+                                    masters_after_sharding=cfg.fsdp)  # each trainer converts only its shard
     if cfg.grad_ckpt and groups.is_trainer:
         policy.transformer.enable_gradient_checkpointing()
     return policy

@@ -10,6 +10,10 @@ The saved config.json is the resolved Config a run wrote. Flags given on the com
   flag that changes what the checkpoint's weights and optimizer state mean (model, LoRA config, learning rate,
   batch shape, rewards, prompts, ...) is refused with a message, and each accepted override is printed.
 Flags are compared after `resolve`, so repeating the original flags (e.g. --mode digenrl --no-tcss) is no change.
+
+A saved configuration is data from outside (a shared run folder, a file someone sent): every value is checked to have
+its field's type, and reward code it names (`--reward my.py:fn`) is neither imported nor run unless the command line
+gives that --reward too (`refuse_code_named_by_file`).
 """
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ SAFE_ON_RESUME = ("steps", "eval_every", "save_every", "keep_checkpoints", "time
                   "remote_timeout_s", "remote_retries", "remote_batch_size", "eval_prompts", "eval_num_steps",
                   "eval_guidance", "ema", "ema_decay", "ema_every", "cache_dir", "out_dir", "run_name")
 IDENTITY = ("model", "pretrained", "lora", "lora_rank", "lora_alpha", "lora_targets")  # as infra.rundir.IDENTITY_FIELDS
-NOT_SAVED = ("resume", "config")  # describe the invocation, not the run
+NOT_SAVED = ("resume", "config", "dry_run")  # describe the invocation, not the run
 _UNSET = object()
 
 
@@ -57,7 +61,50 @@ def read_saved(path: str, config_cls) -> dict:
             saved[key] = ",".join(f"{name}={value}" for name, value in saved[key].items())
     if saved.get("mode") == "custom":
         saved["mode"] = None
+    _check_types(saved, config_cls, path)
     return saved
+
+
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+_TYPE_NAMES = {"int": "an integer", "float": "a number", "str": "a string", "bool": "true or false"}
+
+
+def _check_types(saved: dict, config_cls, path: str) -> None:
+    """Each saved value of the type its Config field has (null where it is Optional): a file is data from outside,
+    and a 2.5 for "nproc" or "5" for "steps" used to fail later with a traceback."""
+    for f in dataclasses.fields(config_cls):
+        if f.name not in saved:
+            continue
+        kind = f.type if isinstance(f.type, str) else f.type.__name__
+        optional = kind.startswith("Optional[")
+        kind = kind[len("Optional["):-1] if optional else kind
+        value = saved[f.name]
+        if value is None and optional:
+            continue
+        ok = isinstance(value, _TYPES[kind]) and (kind == "bool" or not isinstance(value, bool))
+        if not ok:
+            allowed = _TYPE_NAMES[kind] + (" or null" if optional else "")
+            raise ValueError(f"{path!r}: {f.name!r} must be {allowed}, got {json.dumps(value)[:80]}")
+
+
+def _custom_reward_names(spec) -> list[str]:
+    """The custom reward functions (file.py:fn, package.module:fn) a reward spec names, without importing them."""
+    from rewards.custom import is_custom
+    if not isinstance(spec, str):
+        return []
+    return [n for n in (item.partition("=")[0].strip() for item in spec.split(",")) if is_custom(n)]
+
+
+def refuse_code_named_by_file(saved: dict, given: dict, where: str) -> None:
+    """A saved configuration (a run folder's config.json, a --config file) is data: the reward code it names (a
+    custom reward imports its file or module, running its Python) runs only when the command line names it too.
+    A folder or file someone else can write to would otherwise choose the code this job runs."""
+    asked = set(_custom_reward_names(given.get("reward")))
+    missing = [n for n in _custom_reward_names(saved.get("reward")) if n not in asked]
+    if missing:
+        raise ValueError(f"{where} names reward code {', '.join(map(repr, missing))} (a custom reward runs that "
+                         f"file's or module's Python): a saved configuration does not choose code to run; give "
+                         f"--reward {saved['reward']!r} on the command line to run it")
 
 
 RENAMED = {"use_async": "use_tcss"}  # old config.json key -> today's field (runs saved before the rename)
@@ -87,6 +134,7 @@ def merge(parser, argv, config_cls, resolve):
         raise ValueError("give --resume RUN (which reuses RUN/config.json) or --config FILE, not both")
     if args.config is not None:
         saved = read_saved(args.config, config_cls)
+        refuse_code_named_by_file(saved, given, f"--config {args.config!r}")
         saved.pop("run_name", None)  # a new run: a fresh directory, not the saved run's
         return config_cls(**{**saved, **given})
     path = os.path.join(args.resume, "config.json")
@@ -98,6 +146,7 @@ def merge(parser, argv, config_cls, resolve):
     if not os.path.isfile(path):
         raise ValueError(f"--resume {args.resume!r} has no config.json (is it a run directory?)")
     saved = read_saved(path, config_cls)
+    refuse_code_named_by_file(saved, given, f"--resume {args.resume!r} (its config.json)")
     before, after = resolve(config_cls(**saved)), resolve(config_cls(**{**saved, **given}))
     changed = [f.name for f in dataclasses.fields(config_cls) if f.name not in NOT_SAVED
                and getattr(before, f.name) != getattr(after, f.name)]

@@ -92,6 +92,7 @@ class Policy:
         self.negative_cond = self.encode_prompts([""]) if family.uses_true_cfg else None
         self.reference_transformer = None  # a frozen copy of the initial weights: full fine-tuning with a KL term
         self.autocast = False  # fp32 master weights with a bf16 policy: compute under bf16 autocast
+        self.masters_pending = False  # fp32 masters left to trainer.shard_for_fsdp (enable_full_training)
         self.on_forward = lambda: None  # called after every transformer forward (main.py: liveness progress)
 
     @property
@@ -218,14 +219,32 @@ def load(name: str, path: str, device="cpu", dtype=torch.float32, height: int | 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # org/name, as the Hugging Face Hub spells repository ids
 
 
+def is_hub_id(path: str | None) -> bool:
+    """--pretrained names a Hub repository (org/name) rather than a local directory."""
+    return bool(path) and not os.path.exists(path) and bool(HUB_ID.fullmatch(path))
+
+
+_RESOLVED: dict[tuple[str, str], str] = {}  # (family, Hub id) -> its local snapshot, once this process has it
+
+
+def hub_download(name: str, repo_id: str, local_only: bool) -> str:
+    """The pipeline's own `download` of a Hub id (what `from_pretrained` does with an id: only the files the
+    pipeline needs) into the Hugging Face cache; the local snapshot. (tests/inject/fake_hub.py stands in for it.)"""
+    return get_family(name).pipeline_class().download(repo_id, local_files_only=local_only)
+
+
 def resolve_pretrained(name: str, path: str, local_only: bool = False) -> str:
-    """--pretrained as a local directory (as is) or a Hub id: the pipeline's own `download` (what `from_pretrained`
-    does with an id: only the files the pipeline needs) into the Hugging Face cache; returns the local snapshot."""
-    if os.path.exists(path) or not HUB_ID.fullmatch(path):
+    """--pretrained as a local directory (as is) or a Hub id: fetched into the Hugging Face cache (`hub_download`;
+    `local_only`: from the cache alone) once per process; returns the local snapshot. Under torchrun one rank per
+    node fetches (infra/node_fetch.py)."""
+    if not is_hub_id(path):
         return path
+    if (name, path) in _RESOLVED:
+        return _RESOLVED[(name, path)]
     _quiet_libraries()
     try:
-        return get_family(name).pipeline_class().download(path, local_files_only=local_only)
+        _RESOLVED[(name, path)] = hub_download(name, path, local_only)
+        return _RESOLVED[(name, path)]
     except Exception as exc:  # noqa: BLE001  (offline, unknown repo, gated repo, ... : all mean "not available")
         reason = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
         raise FileNotFoundError(
@@ -247,7 +266,7 @@ def has_lora(transformer) -> bool:
     return bool(getattr(transformer, "peft_config", None))
 
 
-def enable_full_training(policy: Policy, fp32_master: bool = False) -> None:
+def enable_full_training(policy: Policy, fp32_master: bool = False, masters_after_sharding: bool = False) -> None:
     """Train every transformer weight. With `fp32_master` and a lower-precision policy (bf16 on GPUs), the
     trainable weights become float32 (so their gradients and AdamW state are float32 too) and the forward
     runs under autocast in the policy dtype: the mixed precision of Flow-GRPO (accelerate bf16) and
@@ -255,10 +274,35 @@ def enable_full_training(policy: Policy, fp32_master: bool = False) -> None:
     update far below half a bf16 ulp (lr 1e-5 on weights ~1e-2) accumulates instead of rounding away.
     Alternative not taken: bf16 weights with an fp32 copy held by the optimizer (~18 bytes per parameter,
     the trainer's forward then bit-equal to the rollout's) or bf16 with stochastic rounding (8 bytes,
-    unbiased but noisy). Call it on trainer ranks only: rollout ranks keep the policy dtype."""
+    unbiased but noisy). Call it on trainer ranks only: rollout ranks keep the policy dtype.
+
+    `masters_after_sharding` (--fsdp): the float32 copies are left to trainer.shard_for_fsdp, which makes them
+    after cutting the weights, so each trainer converts only its shard. Made here, before sharding, the whole
+    transformer sat in float32 on every trainer's device for a moment (4 bytes per parameter: 82 GB for
+    Qwen-Image's 20.4B, beside its text encoder and VAE) where 2 + 4/K bytes are needed."""
     policy.transformer.requires_grad_(True)
     if fp32_master and policy.dtype != torch.float32:
-        for p in policy.transformer.parameters():
-            p.data = p.data.float()
         policy.autocast = True
+        if masters_after_sharding:
+            policy.masters_pending = True
+        else:
+            make_fp32_masters(policy.transformer)
+
+
+def make_fp32_masters(module: torch.nn.Module) -> None:
+    """The trainable parameters of `module` in float32, one tensor at a time; buffers keep their dtype. FSDP2
+    shards are converted shard by shard: `_apply` is FSDP2's own path for a dtype change after fully_shard (it
+    re-pads and re-registers each shard); a plain module's parameters get new data in place (`_apply` would
+    swap them, which fake tensors refuse: tools/estimate_memory.py)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    def trainable(t: torch.Tensor) -> bool:
+        return isinstance(t, torch.nn.Parameter) and t.requires_grad and t.is_floating_point()
+
+    if isinstance(module, FSDPModule):
+        module._apply(lambda t: t.float() if trainable(t) else t)
+    else:
+        for p in module.parameters():
+            if trainable(p):
+                p.data = p.data.float()
 

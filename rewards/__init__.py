@@ -68,7 +68,7 @@ class RewardOptions:
     pickscore_path: str | None = None  # local PickScore_v1 CLIPModel directory
     pickscore_processor_path: str | None = None  # its CLIPProcessor (CLIP-ViT-H-14); unset = pickscore_path
     remote_url: str | None = None  # http(s) URL of a reward server (see ``remote``)
-    remote_timeout_s: float = 30.0  # per request; a slow server counts as a failed attempt
+    remote_timeout_s: float = 30.0  # per attempt, all of it (connect to last byte); a slow server's attempt fails
     remote_retries: int = 7  # retries after the first attempt, for timeouts/connection/5xx
     remote_backoff_s: float = 1.0  # sleep before retry k (0-based): min(backoff * 2**k, remote.BACKOFF_CAP_S)
     remote_protocol: str = "json"  # "json" or "flow_grpo" (pickled JPEG batches; rewards/remote.py)
@@ -297,6 +297,12 @@ def _make_remote(options: RewardOptions) -> RewardFn:
                        [m for m in metadata for _ in range(num_frames)])  # [B*F]
         return rearrange(scores, "(b f) -> b f", f=num_frames).mean(dim=1)  # [B]
 
+    def deadline_s(images: torch.Tensor) -> float:
+        """The longest a call on `images` takes: the requests of its images (a video's frames each one)."""
+        sent = images.shape[0] * (images.shape[1] if images.dim() == 5 and not middle_only else 1)
+        return score.deadline_s(sent)
+
+    remote.deadline_s = deadline_s
     return remote
 
 

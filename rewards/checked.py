@@ -130,6 +130,14 @@ class CombinedReward:
         scores["total"] = sum(self.weights[n] * scores[n] for n in self.fns)  # [B]
         return scores
 
+    def deadline_s(self, images: torch.Tensor) -> float | None:
+        """The longest a call on `images` can take, when every reward fn bounds it (remote rewards:
+        rewards/remote.call_deadline_s); None when one does not (a local or custom fn runs as long as it takes)."""
+        bounds = [getattr(fn.fn, "deadline_s", None) for fn in self.fns.values()]
+        if any(bound is None for bound in bounds):
+            return None
+        return sum(bound(images) for bound in bounds)
+
     def probe(self, images: torch.Tensor, prompts: list[str], metadata: list[dict]) -> None:
         """Dry-call every custom reward on a tiny batch: a wrong return type or length fails here (before any rank
         starts), naming the function; the numeric info keys it returns become logged columns."""

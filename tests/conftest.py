@@ -3,6 +3,7 @@ when pytest is run as plain `pytest` from any directory, not only `python -m pyt
 
 import os
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -13,6 +14,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # cache folder, tiny-<model>-v3-quick), and tests/test_pretrain.py builds the full demo pipeline itself. Ranks
 # spawned by run_main inherit this, so they load the same pipelines.
 os.environ.setdefault("DIGENRL_TINY_PRETRAIN", "quick")
+# torchrun ranks without DIGENRL_JOB_SECRET derive the job store's secret from $XDG_CONFIG_HOME/digenrl/store_secret
+# (infra/jobstore.py): the tests' own, not the home folder's.
+os.environ.setdefault("XDG_CONFIG_HOME", os.path.join(tempfile.gettempdir(), f"digenrl-tests-{os.getuid()}"))
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 protocol (as yifan123/reward-server's app_geneval.py / app_deqa.py do), the restricted unpickler, and training runs
 that use a Flow-GRPO dataset folder with a metadata-taking reward, W&B (offline) and TensorBoard.
 """
+import collections
 import contextlib
 import glob
 import io
@@ -19,7 +20,7 @@ from PIL import Image
 
 from conftest import read_metrics, run_main
 from rewards import REWARDS, RemoteRewardError
-from rewards.remote import safe_loads
+from rewards.remote import NotPlainData, plain_loads
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -147,21 +148,29 @@ def test_malicious_pickle_answer_is_refused_and_nothing_runs(tmp_path, nested):
     evil = _WritesMarker(marker)
     body = pickle.dumps({"scores": [evil]} if nested else evil)
     with pickle_server(lambda payload: (200, body)) as (url, log):
-        with pytest.raises(RemoteRewardError, match="refused to unpickle the global .*system"):
+        with pytest.raises(RemoteRewardError, match="not a pickled dict of plain data .* the global .*system"):
             flow_grpo_reward(url)(coloured([(1, 0, 0)]), ["x"])
     assert len(log) == 1 and not marker.exists()
     pickle.loads(body)  # the same bytes, unpickled normally, do run code: the test pickle is really malicious
     assert marker.exists()
 
 
-def test_safe_loads_keeps_plain_data_and_numpy():
-    data = {"scores": [1, 2.5, np.float32(3.0)], "a": np.arange(4.0), "s": {"x", "y"}, "t": ("u", b"v", None, True)}
-    for protocol in (2, 4, 5):
-        back = safe_loads(pickle.dumps(data, protocol=protocol))
-        assert back["scores"] == [1, 2.5, 3.0] and back["s"] == {"x", "y"} and back["t"] == ("u", b"v", None, True)
-        np.testing.assert_array_equal(back["a"], np.arange(4.0))
-    with pytest.raises(pickle.UnpicklingError, match="builtins.eval"):
-        safe_loads(b"cbuiltins\neval\n(S'1'\ntR.")  # protocol 0: GLOBAL builtins.eval, REDUCE
+def test_plain_loads_keeps_plain_data_and_reads_numpy_as_numbers():
+    """What pickle.loads gives, with numpy arrays and scalars as the lists and numbers they hold (every protocol;
+    C and Fortran order, big-endian, bool arrays), and nothing that names another callable."""
+    data = {"scores": [1, 2.5, np.float32(3.0), np.int64(-4)], "a": np.arange(4.0), "s": {"x", "y"},
+            "t": ("u", b"v", None, True), "m": np.arange(6, dtype=np.int16).reshape(2, 3),
+            "f": np.asfortranarray(np.arange(6.0).reshape(2, 3)), "big": np.arange(3, dtype=">f4"),
+            "b": np.array([True, False]), "d": collections.OrderedDict(k=[0.5])}
+    want = pickle.loads(pickle.dumps(data))
+    want = {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in want.items()}
+    want["scores"], want["d"] = [1, 2.5, 3.0, -4], {"k": [0.5]}
+    for protocol in range(pickle.HIGHEST_PROTOCOL + 1):
+        back = plain_loads(pickle.dumps(data, protocol=protocol))
+        assert back == want, protocol
+        assert all(type(x) in (int, float) for x in back["scores"] + back["a"] + back["f"][0]), protocol
+    with pytest.raises(NotPlainData, match="builtins.eval"):
+        plain_loads(b"cbuiltins\neval\n(S'1'\ntR.")  # protocol 0: GLOBAL builtins.eval, REDUCE
 
 
 # ------------------------------------------------------------------ training runs

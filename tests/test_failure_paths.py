@@ -67,11 +67,13 @@ def _worker(rank, world, store, fault, use_tcss, fragment_groups, groups_per_ste
             raise ConnectionResetError("injected: the connection to the trainer was reset")
         return transport.send_fragment(fragment, dst, group=data)
 
-    def failing_receive():  # the mailbox thread raises on version 1, mid-run
+    receive = transport.WeightReceiver(1, publish, shapes)
+
+    def failing_receive(begin):  # the mailbox thread raises on version 1, mid-run
         calls["publish"] += 1
         if fault == "mailbox" and calls["publish"] == 2:
             raise ConnectionResetError("injected: the publish stream broke")
-        return transport.receive_weights(1, publish, shapes)
+        return receive(begin)
 
     def generate(step, first, count, version, part=None):
         return _fragment(step, first, count, version, 0)

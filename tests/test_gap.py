@@ -5,7 +5,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import functools
 
 import dist_harness
 import colocated
@@ -64,7 +63,7 @@ def _worker(rank, world, store):
     else:
         params = [torch.zeros(3), torch.zeros(2, 2, dtype=torch.bfloat16), torch.zeros(10), torch.zeros(())]
         shapes = [(p.shape, p.dtype) for p in params]
-        mailbox = tcss.Mailbox(functools.partial(transport.receive_weights, 2, dist.group.WORLD, shapes, 20))
+        mailbox = tcss.Mailbox(transport.WeightReceiver(2, dist.group.WORLD, shapes, 20))
         mailbox.wait_for(2)
         assert mailbox.swap_into(params) == 2 == mailbox.held_version
         mailbox.join()

@@ -37,16 +37,19 @@ def _worker(rank, world, store, cache):
         p.grad = torch.zeros_like(p)
     trainer.optimizer.step()
 
-    alive, peak = weakref.WeakSet(), [0]
-    original = DTensor.full_tensor
+    import trainer as trainer_lib
 
-    def tracked(self, *args, **kwargs):
-        whole = original(self, *args, **kwargs)
-        alive.add(whole)
-        peak[0] = max(peak[0], sum(t.numel() * t.element_size() for t in alive))
+    alive, peak = weakref.WeakSet(), [0]
+    original = trainer_lib.whole_tensor  # every FSDP shard made whole goes through it (publish, checkpoint)
+
+    def tracked(t):
+        whole = original(t)
+        if isinstance(t, DTensor):
+            alive.add(whole)
+            peak[0] = max(peak[0], sum(x.numel() * x.element_size() for x in alive))
         return whole
 
-    DTensor.full_tensor = tracked
+    trainer_lib.whole_tensor = tracked
     leader = rank == 0
     alone = dist.new_group([0], backend="gloo")  # the leader publishes to a group of its own (no receivers here)
     if leader:
@@ -164,18 +167,28 @@ def test_fsdp_trainers_hold_one_kth_of_the_model_and_optimizer(beta, tiny_cache,
         assert whole / k * 0.95 <= m["held"] <= whole / k * 1.08, m  # about 1/K: nothing whole beside the shards
 
 
+def _sharded_full_policy(path, masters_after_sharding: bool):
+    """A bf16 tiny FLUX with fp32 masters, sharded over the world with its KL reference (main.py's trainer path:
+    runtime.load_policy, then trainer.shard_for_fsdp), and its Trainer."""
+    import models
+    from trainer import TrainConfig, Trainer, shard_for_fsdp
+
+    policy = models.load("flux", path, "cpu", torch.bfloat16)
+    models.enable_full_training(policy, fp32_master=True, masters_after_sharding=masters_after_sharding)
+    shard_for_fsdp(policy, dist.group.WORLD, keep_reference=True)
+    return policy, Trainer(policy, TrainConfig(lr=1e-2), compute_group=dist.group.WORLD, data_group=dist.group.WORLD,
+                           sharded=True)
+
+
 def _reference_worker(rank, world, store, cache):
     import os
 
     os.environ["DIGENRL_CACHE"] = cache
     import models
-    from trainer import shard_for_fsdp
 
     path = models.tiny_pipeline_path("flux")
     initial = models.load("flux", path, "cpu", torch.bfloat16).transformer  # what the reference must be
-    policy = models.load("flux", path, "cpu", torch.bfloat16)
-    models.enable_full_training(policy, fp32_master=True)  # fp32 masters: the reference is the bf16 values
-    shard_for_fsdp(policy, dist.group.WORLD, keep_reference=True)
+    policy, trainer = _sharded_full_policy(path, masters_after_sharding=True)  # fp32 masters from the shards
     reference = policy.reference_transformer
     same = [name for name, p in reference.named_parameters()
             if p.dtype == torch.bfloat16 and not p.requires_grad
@@ -186,20 +199,35 @@ def _reference_worker(rank, world, store, cache):
         sharded = policy.velocity(x, torch.tensor([0.7]), cond, transformer=ref)
         whole = policy.velocity(x, torch.tensor([0.7]), cond, transformer=initial)
         policy_now = policy.velocity(x, torch.tensor([0.7]), cond)  # the (sharded) policy, not yet trained
+    # fp32 masters made from the shards (each rank converts only its shard: tests/test_host_memory.py counts it)
+    # against masters made whole before sharding, the way that needed the whole model in fp32: one forward,
+    # backward and AdamW step from each, every fp32 shard bit for bit the same afterwards
+    stepped = []
+    for candidate, its_trainer in ((policy, trainer), _sharded_full_policy(path, masters_after_sharding=False)):
+        x = candidate.noise(torch.Generator().manual_seed(rank))[None]  # [1, tokens, channels]
+        candidate.velocity(x, torch.tensor([0.6]), cond).square().mean().backward()
+        its_trainer.optimizer.step()
+        stepped.append({n: p.to_local() for n, p in candidate.transformer.named_parameters()})
+    after, before = stepped
+    masters_equal = sum(after[n].dtype == before[n].dtype == torch.float32 and torch.equal(after[n], before[n])
+                        for n in before)
     dist.barrier()
     return (len(same), len(list(reference.parameters())), float((sharded - policy_now).abs().max()),
-            float((sharded - whole).abs().max() / whole.abs().max()))
+            float((sharded - whole).abs().max() / whole.abs().max()), masters_equal, len(before), policy.autocast)
 
 
 def test_the_sharded_kl_reference_is_the_initial_weights(tiny_cache):
     """Catches a sharded KL reference that is not the initial weights (issue 22 item 2 builds it unit by unit from
     the still-whole policy before sharding): every gathered reference weight equals the loaded bf16 weight bit for
-    bit, and its forward equals the unsharded initial transformer's."""
-    rows = dist_harness.check(dist_harness.run(_reference_worker, 2, tiny_cache, timeout_s=150))
-    for rank, (same, total, gap, relative_to_whole) in rows.items():
+    bit, and its forward equals the unsharded initial transformer's. And fp32 masters made from the shards (issue
+    38 item 8) that train otherwise than masters made before sharding (another dtype, values or shard layout):
+    after a forward, backward and AdamW step from each, every fp32 shard is the same bit for bit."""
+    rows = dist_harness.check(dist_harness.run(_reference_worker, 2, tiny_cache, timeout_s=240))
+    for rank, (same, total, gap, relative_to_whole, masters_equal, params, autocast) in rows.items():
         assert same == total > 0, (rank, same, total)
         assert gap == 0.0, (rank, gap)  # the same bf16 weights through the same sharded forward as the policy's
         assert relative_to_whole < 1e-2, (rank, relative_to_whole)  # unsharded: bf16 rounding apart
+        assert masters_equal == params > 0 and autocast, (rank, masters_equal, params)  # bf16 compute, autocast
 
 
 # --- real-size memory on CPU: tools/estimate_memory.py ----------------------------------------------------------

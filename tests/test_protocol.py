@@ -378,20 +378,27 @@ def test_the_assistant_hands_the_predictor_the_queues_counts_and_scripted_times(
 def test_loopback_data_plane_warning():
     """A multi-host job whose hostname resolves to 127.0.1.1 (stock Ubuntu) would bind gloo to loopback and hang at
     the first cross-host send: the warning must fire then, name GLOO_SOCKET_IFNAME, and stay quiet on one host or
-    when the interface is pinned."""
+    when the interface is pinned. Which ranks share a host is the host names the ranks posted (comm.gather_hosts),
+    not the launcher's variables: under srun (no LOCAL_WORLD_SIZE) the check took 16 ranks on two hosts for one
+    host and never warned, and torchrun --nnodes 2 on one host (LOCAL_WORLD_SIZE 1) warned of a loopback every
+    rank could use."""
     import comm
 
-    two_hosts = {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}
+    two_hosts = ["node1"] * 8 + ["node2"] * 8
     loopback = dict(resolve=lambda name: "127.0.1.1", hostname=lambda: "node1")
-    message = comm.loopback_data_plane(two_hosts, **loopback)
-    assert message is not None and "GLOO_SOCKET_IFNAME" in message and "127.0.1.1" in message
-    assert comm.loopback_data_plane({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"}, **loopback) is None
-    assert comm.loopback_data_plane({**two_hosts, "GLOO_SOCKET_IFNAME": "eth0"}, **loopback) is None
-    assert comm.loopback_data_plane(two_hosts, resolve=lambda name: "10.0.0.7", hostname=lambda: "node1") is None
+    for env in ({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}, {"WORLD_SIZE": "16"}):  # torchrun, srun
+        message = comm.loopback_data_plane(env, two_hosts, **loopback)
+        assert message is not None and "GLOO_SOCKET_IFNAME" in message and "127.0.1.1" in message
+        assert "2 hosts (16 ranks)" in message
+    emulated_nodes = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1"}  # torchrun --nnodes 2 on localhost
+    assert comm.loopback_data_plane(emulated_nodes, ["node1", "node1"], **loopback) is None
+    assert comm.loopback_data_plane({"GLOO_SOCKET_IFNAME": "eth0"}, two_hosts, **loopback) is None
+    assert comm.loopback_data_plane({}, two_hosts, resolve=lambda name: "10.0.0.7", hostname=lambda: "node1") is None
 
     def unresolvable(name):
         raise OSError("Name or service not known")
-    assert "does not resolve" in comm.loopback_data_plane(two_hosts, resolve=unresolvable, hostname=lambda: "node1")
+    assert "does not resolve" in comm.loopback_data_plane({}, two_hosts, resolve=unresolvable,
+                                                          hostname=lambda: "node1")
 
 
 # --- several updates per batch: fixed minibatch boundaries whatever the arrival order -----------------------

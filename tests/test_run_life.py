@@ -101,6 +101,13 @@ def test_stopping_the_launcher_leaves_no_rank_alive(how, sig, tiny_cache, tmp_pa
             assert (run / LOCK_NAME).read_text() == lock
         pids = [pid for pid, _ in rank_pids(proc.pid, 2).values()]
         proc.send_signal(sig)
+        if how == "self" and sig == signal.SIGKILL:  # a job resumed at once must not find the lock free while
+            took_over = take_the_lock_at_once(run)   # a rank of the killed one still writes (it was ~2 s free)
+            writing = [p for p in pids if alive(p)]
+            time.sleep(0.2)  # a process closes its files a moment before /proc shows it exited
+            writing = [p for p in writing if alive(p)]
+            os.close(took_over.fd)  # gone as a killed job goes: its name stays, and --resume below takes it over
+            assert writing == [], f"the lock was free while ranks {writing} of the killed job were alive"
         assert wait_all_dead(pids) == [], f"ranks alive {DEAD_WITHIN_S} s after {sig.name}:\n{log_of(tmp_path, name)}"
         code = proc.wait(30)
     finally:
@@ -117,6 +124,18 @@ def test_stopping_the_launcher_leaves_no_rank_alive(how, sig, tiny_cache, tmp_pa
         resumed = run_main(["--resume", str(run), "--steps", str(len(rows) + 1)], tmp_path, tiny_cache)
         assert f"taking over the lock of {run}: its holder (host " in resumed.stderr
         assert [r["step"] for r in read_metrics(run)] == list(range(len(rows) + 1))  # no step twice
+
+
+def take_the_lock_at_once(run, timeout_s: float = 120) -> RunLock:
+    """RunLock.acquire(run), tried again and again from the moment it is called until it succeeds (what a --resume
+    started at once, or a scheduler's retry, sees)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return RunLock.acquire(str(run))
+        except ValueError:
+            assert time.monotonic() < deadline, f"the lock of {run} was still held after {timeout_s} s"
+            time.sleep(0.01)
 
 
 # ---------------------------------------------------------------- preemption: SIGTERM, checkpoint, exact resume
@@ -221,7 +240,8 @@ def test_a_stale_lock_is_taken_over_with_a_warning(tmp_path, monkeypatch, capsys
     assert main.main(["--run-name", "x", "--out-dir", str(tmp_path)]) == 0
     assert f"taking over the lock of {tmp_path / 'x'}: its holder (host h0, pid {int(dead.stdout)}, " in \
         capsys.readouterr().err
-    assert ran == [{"host": socket.gethostname(), "pid": os.getpid(), "started": ran[0]["started"]}]  # ours meanwhile
+    assert ran == [{"host": socket.gethostname(), "pid": os.getpid(), "started": ran[0]["started"],  # ours meanwhile
+                    "job": f"{socket.gethostname()} {os.getpid()}"}]
     assert (tmp_path / "x" / LOCK_NAME).read_text() == ""  # released
 
 

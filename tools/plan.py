@@ -185,7 +185,7 @@ def command(p: Problem, c: Candidate) -> str:
     nodes = max(1, -(-p.gpus // p.gpus_per_node))
     launcher = (f"torchrun --nproc_per_node={p.gpus}" if nodes == 1 else
                 f"torchrun --nnodes={nodes} --nproc_per_node={p.gpus // nodes} --rdzv-backend=c10d "
-                "--rdzv-endpoint=HEAD_NODE:29500")
+                "--rdzv-endpoint=HEAD_NODE:29500 --rdzv-id=JOB")  # the same on every node (README)
     return f"{launcher} main.py " + " ".join(shlex.quote(a) for a in main_args(p, c))
 
 

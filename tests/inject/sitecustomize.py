@@ -5,7 +5,7 @@ spawns included (and under torchrun). Nothing here runs in a normal run: the pro
 - DIGENRL_COMM_LOG=<folder>: comm_recorder records every torch.distributed call (tests/test_comm_contract.py);
 - DIGENRL_TEST_INJECT=<module>[,<module>...]: imports those modules of this folder, each of which patches the
   project in this process (e.g. fail_sender: the fragment sender's send raises; scripted_schedule: TAG and
-  TCSS act at scripted moments, independent of timing).
+  TCSS act at scripted moments, independent of timing; fake_hub: a Hub --pretrained without network).
 """
 import importlib
 import os
