@@ -630,6 +630,14 @@ MUTANTS = [
       "                yield whole_tensor(p)\n",
       "publishing full weights reports no progress: a healthy job publishing for minutes is killed",
       MATRIX + "test_every_blocking_point_slowed_to_several_timeouts_the_job_finishes", timeout_s=900),
+    M("start-wait-store-timeout", "infra/jobstore.py",
+      "        self.inner.wait(keys, NO_DEADLINE)", "        self.inner.wait(keys)",
+      "a rank late to 'connect' fails its peers with the store's timeout (--timeout-s), unnamed by liveness",
+      STALL + "[connect]"),
+    M("stated-excuse-ignored", "infra/liveness.py",
+      "        if stated is not None:\n", "        if False:\n",
+      "a remote reward's call is cut at --excused-timeout-s although its own deadline (retries) is longer",
+      "tests/test_untrusted.py::test_a_reward_call_is_excused_from_liveness_only_up_to_its_deadline"),
     M("resume-not-watched", "main.py",
       "    r.job.progress.start()  # the loop's work begins (a stop request now waits for a checkpoint)\n"
       "    if cfg.resume:  # reports progress per tensor loaded\n"
