@@ -75,6 +75,7 @@ class BatchRewards:
         self.store, self.groups_per_step, self.group_size = store, groups_per_step, group_size
         self.advantages, self.poll_s = advantages, poll_s
         self.wait_span = wait_span or (lambda step: contextlib.nullcontext())
+        self._last: tuple[int, torch.Tensor] | None = None  # (step, its batch advantages)
 
     def post(self, fragment: Fragment) -> None:
         """Publish the fragment's groups: one key per group, so any cut of the batch, posted in any
@@ -107,8 +108,7 @@ class BatchRewards:
         """The fragments with their advantages computed over the whole batch of `step`."""
         if not fragments:
             return fragments  # a trainer dealt nothing this step trains nothing: no wait
-        rewards, prompts = self.batch(step, fragments)
-        advantages = self.advantages(rewards, prompts)  # [N]
+        advantages = self.batch_advantages(step, fragments)  # [N]
         out = []
         for f in fragments:
             first = f.first_group * self.group_size
@@ -116,6 +116,13 @@ class BatchRewards:
             out.append(dataclasses.replace(f, advantages=mine.to(f.advantages.device,
                                                                   f.advantages.dtype)))
         return out
+
+    def batch_advantages(self, step: int, fragments: list[Fragment]) -> torch.Tensor:
+        """[N] advantages of the whole batch of `step` in group order (computed once per step)."""
+        if self._last is None or self._last[0] != step:
+            rewards, prompts = self.batch(step, fragments)
+            self._last = (step, self.advantages(rewards, prompts))
+        return self._last[1]
 
     def forget(self, step: int) -> None:
         """Delete step `step`'s keys (the leader, at the step's end): the store must not grow."""

@@ -82,10 +82,22 @@ class Config:
                                        "or _metadata.jsonl; evaluates on test) or a text file, one "
                                        "prompt per line (every ~10th line held out, at most 8); "
                                        "unset = the colour task's prompts")
-    eval_prompts: int = field(8, "evaluation uses the first N training prompts (on held-out "
-                              "noises) and the first N held-out prompts (0 = all): more = a less "
-                              "noisy eval_reward, each costs eval_seeds deterministic generations "
-                              "per evaluation")
+    eval_prompts: int = field(8, "evaluation uses the first N prompts of each split it "
+                              "evaluates (--eval-split; 0 = all): more = a less noisy "
+                              "eval_reward, each costs eval_seeds deterministic generations per "
+                              "evaluation")
+    eval_split: Optional[str] = field(
+        None, "what evaluation samples: test (the held-out split only, Flow-GRPO's eval: "
+        "eval_reward is its mean) or train+test (eval_reward on the training prompts from held-out "
+        "noises, eval_reward_heldout_prompts on the held-out split: whether the policy learned the "
+        "prompts it trains on, the demo's curve); unset = test with --pretrained, train+test for "
+        "the tiny pipelines")
+    eval_batch_size: Optional[int] = field(
+        None, "evaluation samples per forward, VAE decode and reward call on each evaluating rank "
+        "(Flow-GRPO's sample.test_batch_size); the samples are spread over the trainer ranks "
+        "(every rank colocated), which hold the evaluated (EMA) weights. Larger = fewer, bigger "
+        "forwards, more memory; unset = the published setting with --pretrained (presets.py), 0 "
+        "(a rank's whole share at once) for the tiny pipelines")
     # placement and mechanisms
     mode: Optional[str] = field(None, "digenrl (all four mechanisms; the default), colocated, "
                                 "naive; explicit --placement/--gap/... flags instead give a custom "
@@ -134,7 +146,17 @@ class Config:
                                       "GPUs on one machine, costs wall time, never use it to train")
     # the RL problem size
     steps: int = field(200, "RL steps (optimizer steps)")
-    prompts_per_step: int = field(3, "B: prompts (groups) per step")
+    prompts_per_step: Optional[int] = field(
+        None, "B: prompts (groups) per step: more = a steadier gradient, more compute per step; "
+        "unset = the published setting with --pretrained (presets.py: Flow-GRPO's 48 groups of "
+        "its SD3 and FLUX recipes), 3 for the tiny pipelines")
+    sample_batch_size: Optional[int] = field(
+        None, "trajectories per forward batch, VAE decode and reward call when generating "
+        "(Flow-GRPO's sample.train_batch_size), whatever the fragment or group size; must divide a "
+        "fragment's trajectories (--fragment-groups x --group-size). Smaller = less activation "
+        "and decode memory (a 24-image FLUX fragment decoded at once: 36 GiB at 1024 px), more "
+        "forwards; unset = the published setting with --pretrained (presets.py), 0 (a whole "
+        "fragment at once) for the tiny pipelines")
     group_size: Optional[int] = field(None, "G: samples per prompt; larger = better advantage "
                                       "estimates, more compute; unset = the published setting with "
                                       "--pretrained (presets.py: FLUX 24, Qwen-Image 16, ...), 8 "
@@ -176,6 +198,11 @@ class Config:
                             "family, but pairs scored against the rollout's recorded log-prob "
                             "(later minibatches, stale pairs) start with a ratio off 1, since they "
                             "were sampled with CFG (only for sd3, qwenimage, wan)")
+    detach_uncond: Optional[bool] = field(
+        None, "with --train-cfg, the unconditional branch of the training forward carries no "
+        "gradient: v_u.detach() + s (v_c - v_u.detach()), so the gradient is s dv_c (Flow-GRPO's "
+        "train_sd3.py); --no-detach-uncond back-propagates through both branches, s dv_c - (s - 1) "
+        "dv_u (as its Wan script does); unset = on for sd3 with --algo flow_grpo, off otherwise")
     text_len: int = field(512, "max text tokens (capped by the tokenizer); longer = slower text "
                           "encoding, more memory")
     prompt_cache_size: int = field(
@@ -198,7 +225,10 @@ class Config:
         "does). More = more learning per sample, smaller minibatches; weights are still published "
         "once per step (1 with --prompts-per-step 1)")
     max_grad_norm: float = field(1.0, "gradient norm clip")
-    beta: float = field(0.0, "KL weight to the reference policy; >0 costs one more forward per "
+    beta: Optional[float] = field(None, "KL weight to the reference policy (unset = the "
+                                  "published setting with --pretrained, presets.py: Flow-GRPO "
+                                  "SD3 0.01, FLUX 0; 0 for the tiny pipelines); >0 costs one more "
+                                  "forward per "
                         "pair")
     adv_clip: float = field(5.0, "advantages are clipped to +-adv_clip")
     per_prompt_stat_tracking: Optional[bool] = field(
@@ -224,7 +254,35 @@ class Config:
         "drops samples whose advantages are all zero; they keep their 1/(N T_train) weight, so "
         "the step shrinks instead of renormalising) or floor (divide by max(std, "
         "--collapsed-std): their small real signal is kept at its own scale)")
-    weight_decay: float = field(0.0, "AdamW weight decay")
+    kl_scale: Optional[str] = field(
+        None, "what the KL term divides the squared mean difference by: diffusion (2 g^2, g the "
+        "SDE's diffusion coefficient without the step's sqrt(-dt): Flow-GRPO's kl_loss) or step "
+        "(2 g^2 |dt|, the exact KL between the two step Gaussians: 1/|dt| times larger, 3.7-25x on "
+        "SD3's 10 steps, so a beta acts that much stronger); unset = diffusion for flow_grpo, step "
+        "for dance_grpo (DanceGRPO has no KL term of its own)")
+    old_log_prob: str = field(
+        "rollout", "whose log-prob a pair's PPO ratio is taken against: rollout (every pair the "
+        "log-prob the rollout recorded, Flow-GRPO's; a trainer whose numerics differ from the "
+        "rollout's, e.g. bf16 in other batches, starts its ratios off 1 and the tiny clip range "
+        "can clip on-policy pairs) or fresh (on-policy pairs of a step's first update against "
+        "their own detached log-prob, ratio exactly 1: immune to that gap, but the clip never "
+        "acts there)")
+    minibatches: Optional[str] = field(
+        None, "how a step's samples are cut into the --updates-per-batch minibatches: samples "
+        "(Flow-GRPO: the batch's samples permuted, seeded per step, then cut into M equal parts; "
+        "every fragment has pairs in every minibatch, so training starts once the whole batch is "
+        "in) or groups (M contiguous ranges of whole groups fixed before generation, so GAP trains "
+        "each fragment as it arrives); unset = samples when the advantages are batch-level "
+        "(--per-prompt-stat-tracking set: the batch is waited for anyway), else groups")
+    drop_zero_advantage: Optional[bool] = field(
+        None, "samples whose advantage is exactly 0 (all-equal rewards of their prompt) are left "
+        "out, a few put back at random so the kept count divides into the M minibatches, and the "
+        "rest re-divided (Flow-GRPO's train_sd3.py; its FLUX script keeps them): the step is the "
+        "mean over informative samples instead of shrinking with the collapsed ones; needs "
+        "--minibatches samples. Unset = on for sd3 with --algo flow_grpo and --minibatches samples")
+    weight_decay: Optional[float] = field(None, "AdamW weight decay; unset = the published setting "
+                                          "with --pretrained (presets.py: Flow-GRPO 1e-4), 0 for "
+                                          "the tiny pipelines")
     optimizer: str = field("adamw", "adamw, or sgd (plain gradient descent: the update is exactly "
                            "-lr x gradient, so two runs' weights differ as their gradients do; "
                            "the equivalence tests use it)")
@@ -256,7 +314,12 @@ class Config:
                                "(non-finite loss or gradient)")
     # machine
     device: str = field("auto", "auto, cpu or cuda")
-    dtype: str = field("auto", "auto (bfloat16 on cuda, float32 on cpu), float32 or bfloat16")
+    dtype: str = field(
+        "auto", "auto (bfloat16 on cuda, float32 on cpu; on cuda fp16-autocast for sd3 with "
+        "--algo flow_grpo, as Flow-GRPO runs SD3.5), float32, bfloat16, or fp16-autocast "
+        "(Flow-GRPO's SD3: "
+        "float32 transformer and VAE weights, float16 text encoders, the transformer computing "
+        "under float16 autocast: twice bf16's weight memory, fp16's finer mantissa)")
     threads: int = field(1, "torch CPU threads per rank")
     timeout_s: float = field(300.0, "seconds a rank may show no sign of life (no heartbeat), and "
                              "the whole job no progress (no forward, pack, fragment or tensor "
@@ -297,6 +360,13 @@ class Config:
                             "trainer; sampling always uses the trained weights")
     ema_decay: float = field(0.9, "the EMA's decay (Flow-GRPO 0.9, warmed up as min((1+u)/(10+u), "
                                   "decay)): higher = a longer average, slower to follow the policy")
+    ema_repeats: Optional[int] = field(
+        None, "times one EMA trigger is applied to the same weights: Flow-GRPO calls ema.step once "
+        "per sampled sub-batch, i.e. gradient_accumulation_steps times per optimizer update (its "
+        "SD3 recipes 2, FLUX 6 on their 32 GPUs: an effective decay 0.81 / 0.53 per trigger at "
+        "0.9); "
+        "more = the average follows the policy faster; unset = the published setting with "
+        "--pretrained (presets.py), 1 for the tiny pipelines")
     ema_every: int = field(8, "EMA update every N optimizer updates (Flow-GRPO's "
                               "update_step_interval 8): fewer = cheaper, a coarser average")
     eval_num_steps: Optional[int] = field(
@@ -408,14 +478,15 @@ def resolve(cfg: Config, world: int | None = None) -> Config:
             setattr(c, name, bool(getattr(c, name)))
     if c.model is None:
         c.model = family_of_pipeline(c.pretrained) or "flux"
-    preset = presets.for_run(c.model, c.pretrained is not None, c.algo)
+    if c.lora is None:
+        c.lora = c.pretrained is not None or c.init_lora is not None
+    preset = presets.for_run(c.model, c.pretrained is not None, c.algo, c.lora)
     # a size given: square
     sized = {"frames"} | (set() if c.resolution or c.width else {"resolution", "width"})
     for name, setting in preset.values.items():  # what no flag set: the published (or tiny) setting
         if getattr(c, name) is None or (name in sized and getattr(c, name) == 0):
             setattr(c, name, setting.value)
-    if c.lora is None:
-        c.lora = c.pretrained is not None or c.init_lora is not None
+    _resolve_flow_grpo(c)
     if c.lora and (c.lora_rank is None or c.lora_alpha is None):
         from models import lora
         rank, alpha = lora.default_rank_alpha(c.model, c.init_lora)
@@ -436,6 +507,22 @@ def resolve(cfg: Config, world: int | None = None) -> Config:
     if c.trace is None:
         c.trace = c.steps <= 200
     return c
+
+
+def _resolve_flow_grpo(c: Config) -> None:
+    """Flow-GRPO's training step where a run follows it (docs/USAGE.md, the README's Flow-GRPO
+    table): each unset choice resolved from the algorithm, the family and the statistics."""
+    flow = c.algo == "flow_grpo"
+    if c.kl_scale is None:
+        c.kl_scale = "diffusion" if flow else "step"
+    if c.detach_uncond is None:  # Flow-GRPO's train_sd3.py detaches; its Wan script does not
+        c.detach_uncond = flow and c.model == "sd3"
+    if c.minibatches is None:  # batch-level statistics wait for the whole batch anyway
+        c.minibatches = "samples" if c.per_prompt_stat_tracking is not None else "groups"
+    if c.drop_zero_advantage is None:  # train_sd3.py drops them; train_flux.py keeps them
+        c.drop_zero_advantage = flow and c.model == "sd3" and c.minibatches == "samples"
+    if c.eval_split is None:
+        c.eval_split = "test" if c.pretrained is not None else "train+test"
 
 
 PIPELINE_FAMILIES = {"FluxPipeline": "flux", "QwenImagePipeline": "qwenimage", "WanPipeline": "wan",
@@ -469,6 +556,7 @@ def validate(c: Config, world_size: int) -> None:
     _check_numbers(c)
     _check_choices(c)
     _check_advantages(c)
+    _check_batches(c)
     _check_model(c, family)
     _check_logging(c)
     _check_placement(c, world_size)
@@ -558,8 +646,8 @@ def _check_choices(c: Config) -> None:
         _bad("--backend nccl needs CUDA tensors; with --device cpu use --backend gloo (or auto)")
     if c.device not in ("auto", "cpu", "cuda"):
         _bad(f"--device {c.device!r} is not one of auto, cpu, cuda")
-    if c.dtype not in ("auto", "float32", "bfloat16"):
-        _bad(f"--dtype {c.dtype!r} is not one of auto, float32, bfloat16")
+    if c.dtype not in ("auto", "float32", "bfloat16", "fp16-autocast"):
+        _bad(f"--dtype {c.dtype!r} is not one of auto, float32, bfloat16, fp16-autocast")
     if c.device == "cuda":
         import torch
         if not torch.cuda.is_available():
@@ -580,6 +668,42 @@ def _check_advantages(c: Config) -> None:
     if c.collapsed_groups == "floor" and c.collapsed_std == 0:
         _bad("--collapsed-groups floor with --collapsed-std 0 floors nothing: give the floor, "
              "e.g. --collapsed-std 0.01")
+
+
+SEED_LIMIT = 2**22  # trajectory seeds stay below rollout.EVAL_SEED (tests/test_evaluation.py)
+STEPS_LIMIT = 2**28
+
+
+def _check_batches(c: Config) -> None:
+    """The Flow-GRPO training-step choices, and the sample and evaluation batch sizes."""
+    import grpo
+    for name, value, allowed in (("kl-scale", c.kl_scale, grpo.KL_SCALES),
+                                 ("old-log-prob", c.old_log_prob, ("rollout", "fresh")),
+                                 ("minibatches", c.minibatches, ("samples", "groups")),
+                                 ("eval-split", c.eval_split, ("test", "train+test"))):
+        if value not in allowed:
+            _bad(f"--{name} {value!r} is not one of {', '.join(allowed)}")
+    if c.drop_zero_advantage and (c.minibatches != "samples" or c.per_prompt_stat_tracking is None):
+        _bad("--drop-zero-advantage keeps the samples of nonzero batch advantage and re-divides "
+             "them into the minibatches: it needs --minibatches samples and batch statistics "
+             f"(--[no-]per-prompt-stat-tracking); got --minibatches {c.minibatches}, "
+             f"--per-prompt-stat-tracking {c.per_prompt_stat_tracking}")
+    if not 0 <= c.seed < SEED_LIMIT or not c.steps < STEPS_LIMIT:
+        _bad(f"--seed {c.seed} must be in [0, {SEED_LIMIT}) and --steps {c.steps} below "
+             f"{STEPS_LIMIT}: training noise seeds then never reach the held-out evaluation ones")
+    if c.ema_repeats < 1 or c.weight_decay < 0:
+        _bad(f"--ema-repeats {c.ema_repeats} must be >= 1 and --weight-decay {c.weight_decay} "
+             ">= 0")
+    for name in ("sample_batch_size", "eval_batch_size"):
+        if getattr(c, name) < 0:
+            _bad(f"--{name.replace('_', '-')} must be >= 0 (0 = all at once), got "
+                 f"{getattr(c, name)}")
+    call = c.fragment_groups * c.group_size  # the trajectories a rollout rank generates per call
+    if c.sample_batch_size and call % c.sample_batch_size:
+        fits = [d for d in range(1, call + 1) if call % d == 0]
+        _bad(f"--sample-batch-size {c.sample_batch_size} does not divide a fragment's {call} "
+             f"trajectories (--fragment-groups {c.fragment_groups} x --group-size {c.group_size}): "
+             f"every forward would not be full; use one of {fits}, or change --fragment-groups")
 
 
 def _check_model(c: Config, family) -> None:
@@ -663,6 +787,10 @@ def _check_inputs(c: Config, family, world_size: int) -> None:
     emulate.check_rank_speed(c.rank_speed, world_size)
     rewards.check_reward_options(c.reward, reward_options(c))
     source = prompt_source(c)
+    if c.eval_every and c.eval_split == "test" and not source.eval:
+        _bad(f"--eval-split test, but the prompts ({source.kind}) have no held-out split: "
+             f"{source.note or 'give a dataset folder with a test split'}; or --eval-split "
+             "train+test (the training prompts from held-out noises)")
     rewards.check_prompts(c.reward, source.train, "the training prompts")
     rewards.check_prompts(c.reward, source.eval, "the evaluation prompts")
     rewards.check_custom_rewards(c.reward, reward_probe(c, source))

@@ -79,6 +79,10 @@ class Fragment:
     offset: int = 0
     # False for a later part of a fragment split at a minibatch boundary
     opens_fragment: bool = True
+    # > 0: this fragment's rows in one of Flow-GRPO's sample minibatches (sample_minibatches), which
+    # holds that many samples: its pairs weigh 1/(minibatch_samples T_train), and its rewards are
+    # counted with its whole fragment (train_by_samples); not on the wire
+    minibatch_samples: int = 0
 
     @property
     def num_samples(self) -> int:
@@ -107,7 +111,7 @@ class Fragment:
     def to(self, device) -> "Fragment":
         moved = Fragment.from_parts(self.ints(),
                                     {k: v.to(device) for k, v in self.tensors().items()})
-        moved.opens_fragment = self.opens_fragment
+        moved.opens_fragment, moved.minibatch_samples = self.opens_fragment, self.minibatch_samples
         return moved
 
     def ints(self) -> list[int]:
@@ -427,8 +431,75 @@ def minibatch_pairs(bounds: list[tuple[int, int]], group_size: int, num_train_ti
                     fragment: Fragment) -> int:
     """N_j T_train: the pairs of the minibatch `fragment` (a part of one) lies in; each update's
     loss is its minibatch's mean, as Flow-GRPO's (with M = 1, the batch's N T_train)."""
+    if fragment.minibatch_samples:  # rows of a sample minibatch (train_by_samples)
+        return fragment.minibatch_samples * num_train_timesteps
     lo, hi = next(b for b in bounds if b[0] <= fragment.first_group < b[1])
     return (hi - lo) * group_size * num_train_timesteps
+
+
+# --- Flow-GRPO's minibatches: the step's samples permuted, zero advantages dropped ----------------
+def minibatch_seed(seed: int, step: int) -> int:
+    """The generator seed of a step's sample minibatches: every trainer draws the same ones."""
+    return (seed * 1_000_003 + step) * 1_000_033 + 999_983
+
+
+def sample_minibatches(total: int, updates: int, seed: int,
+                       keep: torch.Tensor | None = None) -> list[list[int]]:
+    """Flow-GRPO's minibatches (scripts/train_sd3.py lines 796-840) of a step's `total` samples:
+    M = `updates` lists of sample indices (in the batch), from a torch.Generator seeded `seed`.
+    keep [total] bool (train_sd3.py's mask: advantage != 0; None = every sample): as it does,
+    if the kept count is not a multiple of M, M - count % M dropped samples chosen at random are put
+    back (when there are that many; its unit is num_batches_per_epoch per GPU, here M for the
+    batch); then the kept samples are permuted and cut into M consecutive parts (sizes within one
+    when M does not divide them, where its reshape would fail)."""
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.ones(total, dtype=torch.bool) if keep is None else keep.clone().bool()
+    kept = int(mask.sum())
+    if kept % updates:  # lines 801-808: make the count divisible
+        false_indices = torch.where(~mask)[0]
+        num_to_change = updates - kept % updates
+        if len(false_indices) >= num_to_change:
+            chosen = torch.randperm(len(false_indices), generator=gen)[:num_to_change]
+            mask[false_indices[chosen]] = True
+    indices = torch.where(mask)[0]  # line 817: samples[mask], in batch order
+    perm = torch.randperm(len(indices), generator=gen)  # line 829
+    order = indices[perm].tolist()
+    cuts = [j * len(order) // updates for j in range(updates + 1)]  # lines 833-836
+    return [order[cuts[j]:cuts[j + 1]] for j in range(updates)]
+
+
+def rows_in(fragment: Fragment, members: dict[int, int], j: int, size: int) -> Fragment | None:
+    """The rows of `fragment` whose batch index `members` puts in minibatch j (of `size` samples),
+    as a fragment marked with its minibatch's size (minibatch_samples); None when it has none."""
+    start = fragment.first_sample
+    rows = [r for r in range(fragment.num_samples) if members.get(start + r) == j]
+    if not rows:
+        return None
+    index = torch.tensor(rows, dtype=torch.long)
+    part = Fragment.from_parts(fragment.ints(),
+                               {k: v[index.to(v.device)] for k, v in fragment.tensors().items()})
+    part.opens_fragment, part.minibatch_samples = False, size
+    return part
+
+
+def train_by_samples(fragments: list[Fragment], minibatches: list[list[int]],
+                     train: Callable[[Fragment], None], update: Callable[[int], object],
+                     count: Callable[[Fragment], None]) -> None:
+    """Train a step's fragments (all of this rank's, in hand) in Flow-GRPO's sample minibatches
+    (sample_minibatches, the same on every trainer): each whole fragment counted once, then for each
+    minibatch j the rows of every fragment in it, and an update after each but the last (the
+    caller's optimizer step ends the RL step). A dropped sample is in no minibatch: never
+    trained."""
+    members = {i: j for j, indices in enumerate(minibatches) for i in indices}
+    for fragment in fragments:
+        count(fragment)
+    for j, indices in enumerate(minibatches):
+        for fragment in fragments:
+            part = rows_in(fragment, members, j, len(indices))
+            if part is not None:
+                train(part)
+        if j < len(minibatches) - 1:
+            update(j)
 
 
 def groups_of(fragment: Fragment, lo: int, hi: int) -> Fragment:
@@ -506,19 +577,28 @@ class TrainerSide:
     # Batch-level advantages (batch_rewards.py): when set, a step's fragments are first all
     # collected (every group of the step is then produced, TAG's included), restated, then trained.
     restate: Callable[[int, list[Fragment]], list[Fragment]] | None = None
+    # Flow-GRPO's sample minibatches (--minibatches samples): minibatches(step) -> M lists of the
+    # step's sample indices (sample_minibatches); the step's fragments are collected, then trained
+    # by train_by_samples, each whole fragment counted by `count`. None: whole-group minibatches.
+    minibatches: Callable[[int], list[list[int]]] | None = None
+    count: Callable[[Fragment], None] = nothing
 
     def train_step(self, step: int, items: Iterable[Fragment | Announcement]) -> dict:
         """One RL step's training: M minibatches, an update after each (open packs flushed
         first)."""
-        if self.restate is not None:  # the whole batch's rewards first: no streaming this step
+        if self.restate is not None or self.minibatches is not None:  # the whole batch first
             items = list(items)
+        if self.restate is not None:  # the whole batch's rewards: no streaming this step
             mine = self.restate(step, [f for f in items if isinstance(f, Fragment)])
             items = [*mine, *(a for a in items if not isinstance(a, Fragment))]
 
         def update(j: int) -> None:
             self.flush()
             self.update(step)
-        if self.bounds is None:
+        if self.minibatches is not None:
+            train_by_samples([f for f in items if isinstance(f, Fragment)],
+                             self.minibatches(step), self.train, update, self.count)
+        elif self.bounds is None:
             for fragment in (f for f in items if isinstance(f, Fragment)):
                 self.train(fragment)
         else:

@@ -62,14 +62,28 @@ def sde_step_with_logprob(velocity, latents, sigma, sigma_next, noise_level, noi
     s = _per_sample(sigma, x)
     s_next = _per_sample(sigma_next, x)
     dt = s_next - s  # < 0
-    # g = a sqrt(sigma / (1 - sigma)); at sigma = 1 the denominator uses the next sigma (Flow-GRPO).
-    denom = 1 - torch.where(s >= 1, s_next, s)
-    g = noise_level * torch.sqrt(s / denom)
+    g = _flow_grpo_diffusion(s, s_next, noise_level)
     # mean = x + [v + g^2/(2 sigma) (x + (1 - sigma) v)] dt   (the SDE with the same marginals as
     # the ODE)
     mean = x + (v + g**2 / (2 * s) * (x + (1 - s) * v)) * dt
     std = g * torch.sqrt(-dt)
     return _sample_or_score(mean, std, noise, prev_sample)
+
+
+def _flow_grpo_diffusion(s: torch.Tensor, s_next: torch.Tensor, noise_level) -> torch.Tensor:
+    """g = a sqrt(sigma / (1 - sigma)), Flow-GRPO's std_dev_t (sd3_sde_with_logprob.py line 47); at
+    sigma = 1 the denominator uses the next sigma."""
+    denom = 1 - torch.where(s >= 1, s_next, s)
+    return noise_level * torch.sqrt(s / denom)
+
+
+def diffusion_coefficient(algo: str, sigma, sigma_next, noise_level, like: torch.Tensor):
+    """The SDE's diffusion coefficient g of each pair's step -> float32 [B, 1, ...] (the step's std
+    is g sqrt(-dt)): Flow-GRPO's std_dev_t, or DanceGRPO's constant eta."""
+    s, s_next = _per_sample(sigma, like), _per_sample(sigma_next, like)
+    if algo == "dance_grpo":
+        return torch.full_like(s, float(noise_level))
+    return _flow_grpo_diffusion(s, s_next, noise_level)
 
 
 def dance_sde_step_with_logprob(velocity, latents, sigma, sigma_next, eta, noise=None,
@@ -146,14 +160,20 @@ def policy_loss(log_prob, old_log_prob, advantages, clip_range, weights=None):
     return loss, stats
 
 
-def kl_loss(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
-    """KL between the step Gaussians of the policy and the reference (same std) -> [B].
+KL_SCALES = ("diffusion", "step")
 
-    KL(N(m, s^2) || N(m_ref, s^2)) per dimension = (m - m_ref)^2 / (2 s^2), averaged over dims
-    like the log-prob. `std` is the step std returned by the SDE step (Flow-GRPO's convention).
+
+def kl_loss(mean: torch.Tensor, ref_mean: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """((m - m_ref)^2 averaged over dims) / (2 scale^2) per pair -> [B] (config.kl_scale).
+
+    scale = the step std g sqrt(-dt) ("step"): the exact KL(N(m, s^2) || N(m_ref, s^2)) per
+    dimension, averaged over dims like the log-prob. scale = g, the diffusion coefficient without
+    sqrt(-dt) ("diffusion"): Flow-GRPO's kl_loss (scripts/train_sd3.py line 895, and train_flux.py:
+    `.mean(dims) / (2 * std_dev_t ** 2)` with std_dev_t = g), 1/|dt| times smaller.
     """
     dims = tuple(range(1, mean.ndim))
-    return ((mean - ref_mean) ** 2).mean(dim=dims) / (2 * std.reshape(std.shape[0], -1)[:, 0] ** 2)
+    per_pair = scale.reshape(scale.shape[0], -1)[:, 0]  # [B]
+    return ((mean - ref_mean) ** 2).mean(dim=dims) / (2 * per_pair**2)
 
 
 # --- Flow-GRPO's advantage options (flow_grpo/stat_tracking.py PerPromptStatTracker,

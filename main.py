@@ -10,8 +10,7 @@ process is a rank. `run_rank` is one rank, top to bottom: the job (infra/runtime
 (comm.py), the policy, then its loop, each mechanism plugged in on one line: GAP (gap.rollout_loop,
 gap.trainer_loop), TSP (tsp.PackStream / tsp.trainer_packs, tsp.lockstep_fragments: wiring.py), TAG
 (tag.Assistant, TSP's strategy), TCSS (tcss.RolloutWeights, tcss.Publisher); colocated.py is the
-baseline. transport.py carries their data, wiring.py wraps it in spans; config.py has every option.
-"""
+baseline; transport.py carries their data, wiring.py wraps it in spans; config.py: every option."""
 from __future__ import annotations
 
 import dataclasses
@@ -60,7 +59,7 @@ class Rank:
     batch: batch_rewards.BatchRewards | None  # batch-level advantages: rewards posted, restated
 
     def generate(self, step: int, ranges: list[tuple[int, int]], version: int, producer: int,
-                 part=None) -> list[gap.Fragment]:
+                 part=None, calls: int = 0) -> list[gap.Fragment]:
         """Group ranges (first, count) of `step` in one generation call, one fragment each: every
         producer's one path (only the colocated baseline's calls join several ranges). part=(lo, hi)
         of one range: only those trajectories, advantages left to the joined groups (TAG)."""
@@ -74,7 +73,7 @@ class Rank:
         with self.tracer.span(kind, step=step, first_group=spec.first_group, version=version,
                               samples=len(spec.prompt_ids)), self.pace():
             fragment = make(self.policy, spec, self.source.train, self.sampling, self.score,
-                            version, producer)
+                            version, producer, calls=calls)
         self.job.progress.bump(step)
         fragments = colocated.split_rows(fragment, ranges) if len(ranges) > 1 else [fragment]
         for f in [f for f in fragments if f.is_whole] if self.batch is not None else []:
@@ -168,7 +167,7 @@ def trainer_rank(r: Rank):
                                on_published=assistant.published if assistant else None)  # TCSS
     t_train = rollout.num_train_timesteps(r.sampling)
     bounds = gap.minibatch_bounds(cfg.prompts_per_step, cfg.updates_per_batch)  # M updates a step
-    train, flush = wiring.fragment_training(cfg, groups, trainer, bounds, t_train,  # TSP
+    train, flush, count = wiring.fragment_training(cfg, groups, trainer, bounds, t_train,  # TSP
                                             r.reward_fn.names, r.tracer, r.pace,
                                             assistant.trained if assistant else None)
     fragments = wiring.TrainerFragments(cfg, groups, r.queue, r.tracer, r.job.progress, r.generate,
@@ -177,6 +176,7 @@ def trainer_rank(r: Rank):
                            optimizer_step=books.optimizer_step, publish=publisher.publish,
                            end_step=books.end_step, update=books.update, bounds=bounds, flush=flush,
                            restate=r.batch.restate if r.batch else None,  # batch-level advantages
+                           minibatches=wiring.minibatch_plan(cfg, r.batch), count=count,
                            before_publish=assistant.before_publish if assistant else gap.nothing)
     books.forgetting(r.queue.forget_old if leader and r.queue else gap.nothing,
                      assistant.forget if assistant else gap.nothing,

@@ -298,7 +298,7 @@ class Assistant:
 
 
 def assisted_generation(lo: int, hi: int, trainers: int, me: int, generate: Callable,
-                        share: Callable, join: Callable, *, lockstep: bool):
+                        share: Callable, join: Callable, *, lockstep: bool, batch_size: int = 0):
     """Every trainer generates its contiguous share of the claim's trajectories [lo, hi) of the
     step (a group may be split over several), then the shares are exchanged and joined: the whole
     claim on each. generate(a, b): trajectories [a, b) of the step, each from the seeds it has in
@@ -307,12 +307,17 @@ def assisted_generation(lo: int, hi: int, trainers: int, me: int, generate: Call
     `lockstep` (FSDP: each forward all-gathers the weights, so every trainer must run the same
     number of forward calls; batch sizes may differ: each share is the floor or the ceiling): a
     trainer with an empty share (fewer trajectories than trainers) generates the claim's first
-    trajectory anyway and drops it, a padding pass like TSP's weight-0 pairs."""
+    trajectory anyway and drops it, a padding pass like TSP's weight-0 pairs. With `batch_size`
+    (trajectories per forward batch) every trainer runs as many batches as the largest share needs:
+    generate(a, b, calls=n) when that is n > 1."""
     shares = [tuple(lo + x for x in split_groups(hi - lo, trainers, r)) for r in range(trainers)]
+    largest = max(y - x for x, y in shares)
+    calls = -(-largest // batch_size) if lockstep and batch_size else 1
+    batches = {"calls": calls} if calls > 1 else {}
     a, b = shares[me]
-    mine = generate(a, b) if b > a else None
+    mine = generate(a, b, **batches) if b > a else None
     if mine is None and lockstep:
-        generate(lo, lo + 1)  # padding: the same denoising forwards as the others, unused
+        generate(lo, lo + 1, **batches)  # padding: the same denoising forwards as the others
     owners = [r for r, (x, y) in enumerate(shares) if y > x]
     return join([share(mine if r == me else None, r) for r in owners])
 

@@ -53,6 +53,14 @@ class TrainConfig:
     ema_every: int = 8
     # the training forward runs CFG as the rollout did (Flow-GRPO's train.cfg)
     train_cfg: bool = True
+    # with train_cfg, the unconditional branch carries no gradient (Flow-GRPO's train_sd3.py)
+    detach_uncond: bool = False
+    # the KL term divides by 2 g^2 (Flow-GRPO's) or by 2 g^2 |dt| ("step"): grpo.kl_loss
+    kl_scale: str = "diffusion"
+    # whose log-prob a pair's ratio is against: "rollout" (every pair the rollout's recorded one,
+    # Flow-GRPO's) or "fresh" (on-policy pairs of a step's first update against their own, ratio 1)
+    old_log_prob: str = "rollout"
+    ema_repeats: int = 1  # EMA applications per trigger (Flow-GRPO: one per sampled sub-batch)
 
     @staticmethod
     def of(cfg) -> "TrainConfig":
@@ -62,7 +70,8 @@ class TrainConfig:
             max_grad_norm=cfg.max_grad_norm, beta=cfg.beta, noise_level=cfg.noise_level,
             algo=cfg.algo, max_bad_steps=cfg.max_bad_steps, optimizer=cfg.optimizer,
             collapsed_std=cfg.collapsed_std, ema=cfg.ema, ema_decay=cfg.ema_decay,
-            ema_every=cfg.ema_every, train_cfg=cfg.train_cfg)
+            ema_every=cfg.ema_every, train_cfg=cfg.train_cfg, detach_uncond=cfg.detach_uncond,
+            kl_scale=cfg.kl_scale, old_log_prob=cfg.old_log_prob, ema_repeats=cfg.ema_repeats)
 
 
 class MetricSums:
@@ -138,7 +147,8 @@ class Trainer:
         self.grad_norms: list[float] = []
         self.bad_steps_in_a_row = 0
         self.updates_total = 0  # optimizer updates over the run (the EMA's u)
-        self.ema = ema_lib.Ema(self.params, cfg.ema_decay, cfg.ema_every) if cfg.ema else None
+        self.ema = (ema_lib.Ema(self.params, cfg.ema_decay, cfg.ema_every, cfg.ema_repeats)
+                    if cfg.ema else None)
         self.metrics = MetricSums()
 
     def current_version(self) -> int:
@@ -248,7 +258,8 @@ class Trainer:
         (tcss.behaviour_log_prob)."""
         policy = self.policy
         # [p, ...]
-        v = policy.velocity(batch["latents"], batch["sigma"], batch["cond"], cfg=self.cfg.train_cfg)
+        v = policy.velocity(batch["latents"], batch["sigma"], batch["cond"], cfg=self.cfg.train_cfg,
+                            detach_uncond=self.cfg.detach_uncond)
         _, logp, mean, std = self.step_fn(v, batch["latents"], batch["sigma"], batch["sigma_next"],
                                           self.cfg.noise_level, prev_sample=batch["next_latents"])
         # TCSS's stale-pair rule
@@ -262,16 +273,19 @@ class Trainer:
                 _, _, ref_mean, _ = self.step_fn(v_ref, batch["latents"], batch["sigma"],
                                                  batch["sigma_next"], self.cfg.noise_level,
                                                  prev_sample=batch["next_latents"])
-            kl = grpo.kl_loss(mean, ref_mean, std)  # [p]
+            scale = std if self.cfg.kl_scale == "step" else grpo.diffusion_coefficient(
+                self.cfg.algo, batch["sigma"], batch["sigma_next"], self.cfg.noise_level, mean)
+            kl = grpo.kl_loss(mean, ref_mean, scale)  # [p]
             loss = loss + self.cfg.beta * (kl * weights).sum()
             stats["kl"] = (kl.detach() * (weights > 0)).sum() / (weights > 0).sum().clamp(min=1)
         return loss, stats, logp.detach()
 
     def kind_of(self, fragment) -> str:
-        """fresh, later or stale. A pair is scored against its recorded log-prob when stale (TCSS)
-        or when this step already took an update ("later": minibatch j > 0, Flow-GRPO's off-policy
-        inner updates): then the ratio moves and the clip acts; a fresh pair against its own
-        detached log-prob."""
+        """fresh, later or stale (the metrics' split). A pair is scored against its recorded
+        log-prob when stale (TCSS), when this step already took an update ("later": minibatch
+        j > 0, Flow-GRPO's off-policy inner updates), and, with old_log_prob "rollout" (Flow-GRPO's
+        train_*.py: every ratio is exp(log_prob - sample["log_probs"])), when fresh too; with
+        "fresh" a fresh pair is scored against its own detached log-prob (ratio exactly 1)."""
         stale = tcss.check_staleness(self.version, fragment.policy_version, tcss_on=True) == 1
         return "stale" if stale else ("later" if self.updates_in_step else "fresh")
 
@@ -298,7 +312,8 @@ class Trainer:
         mask_t = torch.tensor(mask, dtype=torch.float32, device=dev)  # [p]
         weights = gap.pair_weights(mask_t, torch.tensor(total_pairs, dtype=torch.float32,
                                                         device=dev))  # [p]
-        recorded = torch.tensor([k != "fresh" for k in kinds], device=dev)  # [p]
+        rollout = self.cfg.old_log_prob == "rollout"
+        recorded = torch.tensor([rollout or k != "fresh" for k in kinds], device=dev)  # [p]
         loss, stats, logp = self.pair_loss(batch, weights, recorded)
         loss.backward()
         self.probe = (batch, logp, mask_t)
@@ -377,9 +392,9 @@ class Trainer:
             self._bump()
         # else skip: weights and optimizer state stay as they were
         self.optimizer.zero_grad(set_to_none=True)
+        self.updates_total += 1
         if self.ema is not None:
             self.ema.update(self.params, self.updates_total)
-        self.updates_total += 1
         self.updates_in_step += 1
         self.grad_norms.append(grad_norm if finite else math.nan)
         self._score_probe()
@@ -546,7 +561,7 @@ def train_fragment(trainer: Trainer, fragment: gap.Fragment, *, pairs_of: Callab
     enter the metrics once). `tracer` (a "train" span) and `pace` (infra/emulate.py's benchmark
     emulation) hook in from outside."""
     tcss.check_staleness(trainer.version, fragment.policy_version, tcss_on)  # the TCSS bound
-    if count:
+    if count and not fragment.minibatch_samples:  # sample minibatches: counted whole (gap)
         trainer.count_fragment(fragment, reward_names)
     moved = fragment.to(trainer.policy.device)
     start = time.perf_counter()

@@ -136,17 +136,19 @@ class TrainerFragments:
         fragment = tag.assisted_generation(lo, hi, g.num_trainers, g.trainer_index,
                                            generate=functools.partial(self.generate_part, step),
                                            share=self.share_part, join=gap.concat_fragments,
-                                           lockstep=self.cfg.fsdp)  # FSDP: the same forwards
+                                           lockstep=self.cfg.fsdp,  # FSDP: the same forwards
+                                           batch_size=self.cfg.sample_batch_size)
         if self.assistant is not None:
             self.assistant.generated_trajectories(step, hi - lo, time.perf_counter() - start)
         return fragment
 
-    def generate_part(self, step: int, lo: int, hi: int) -> gap.Fragment:
-        """Trajectories [lo, hi) of the step: scored, no advantages yet."""
+    def generate_part(self, step: int, lo: int, hi: int, calls: int = 0) -> gap.Fragment:
+        """Trajectories [lo, hi) of the step: scored, no advantages yet (in at least `calls` forward
+        batches: FSDP's lockstep)."""
         first, count, *part = gap.claim_of(lo, hi, self.cfg.group_size)
         g = self.cfg.group_size
         return self.generate(step, [(first, count)], self.version(), tag.TAG_PRODUCER,
-                             part=part[0] if part else (0, count * g))[0]
+                             part=part[0] if part else (0, count * g), calls=calls)[0]
 
     def complete(self, fragment: gap.Fragment) -> gap.Fragment:
         """Joined whole groups with their group advantages (they need the whole group)."""
@@ -173,21 +175,41 @@ def publish(groups: comm.Groups, dtype, tensors, count: int, version: int) -> No
                               dtypes=None if dtype is None else [dtype] * count)
 
 
+def minibatch_plan(cfg, batch) -> Callable[[int], list[list[int]]] | None:
+    """gap.TrainerSide's `minibatches` with --minibatches samples (Flow-GRPO's): the step's samples
+    permuted and cut into M, zero advantages dropped with --drop-zero-advantage (the batch's
+    advantages: batch_rewards.BatchRewards); None for minibatches of whole groups."""
+    if cfg.minibatches != "samples":
+        return None
+    total = cfg.prompts_per_step * cfg.group_size
+
+    def plan(step: int) -> list[list[int]]:
+        keep = batch.batch_advantages(step, []) != 0 if cfg.drop_zero_advantage else None
+        return gap.sample_minibatches(total, cfg.updates_per_batch,
+                                      gap.minibatch_seed(cfg.seed, step), keep)
+    return plan
+
+
 def fragment_training(cfg, groups: comm.Groups, trainer: Trainer, bounds: list[tuple[int, int]],
                       t_train: int, reward_names: list[str], tracer, pace,
-                      on_trained) -> tuple[Callable, Callable]:
-    """gap.TrainerSide's `train` and `flush`: TSP's share of each fragment (tsp.trainer_packs; with
-    --tsp-span its packs span fragments, tsp.PackStream, padded at flush), else the whole fragment
-    per timestep; each pair weighs 1/(N_j T_train), its minibatch's mean (gap.minibatch_pairs)."""
+                      on_trained) -> tuple[Callable, Callable, Callable]:
+    """gap.TrainerSide's `train`, `flush` and `count`: TSP's share of each fragment
+    (tsp.trainer_packs; with --tsp-span its packs span fragments, tsp.PackStream, padded at flush),
+    else the whole fragment per timestep; each pair weighs 1/(N_j T_train), its minibatch's mean
+    (gap.minibatch_pairs); `count` a whole fragment's rewards into the metrics (sample
+    minibatches), on one trainer per fragment."""
     pairs_of = functools.partial(tsp.trainer_packs, rank=groups.trainer_index, pack=cfg.tsp_pack,
                                  world=groups.num_trainers, spread=cfg.tsp)
     stream = tsp.PackStream(groups.trainer_index, groups.num_trainers, cfg.tsp_pack) \
         if cfg.tsp and cfg.tsp_span else None
     denominators = functools.partial(gap.minibatch_pairs, bounds, cfg.group_size, t_train)
+    counts = groups.is_leader or not cfg.tsp
+    count = functools.partial(trainer.count_fragment, reward_names=reward_names) if counts else \
+        gap.nothing
     train = functools.partial(train_fragment, trainer, pairs_of=pairs_of,
-                              count=groups.is_leader or not cfg.tsp, total_pairs=denominators,
+                              count=counts, total_pairs=denominators,
                               tcss_on=cfg.use_tcss, reward_names=reward_names, tracer=tracer,
                               pace=pace, on_trained=on_trained, stream=stream)
     if stream is None:
-        return train, gap.nothing
-    return train, functools.partial(flush_packs, trainer, stream, denominators, tracer, pace)
+        return train, gap.nothing, count
+    return train, functools.partial(flush_packs, trainer, stream, denominators, tracer, pace), count

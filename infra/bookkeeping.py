@@ -5,8 +5,9 @@ end of a step (log, evaluate, checkpoint, forget old store keys, the progress ba
     side = gap.TrainerSide(..., optimizer_step=books.optimizer_step, end_step=books.end_step, ...)
     books.forgetting(queue.forget_old, assistant.forget)   # per-step state the mechanisms drop
 
-The leader writes the run directory (infra/rundir.py); under FSDP evaluation and gathering a checkpoint are
-collectives, so every trainer takes part in them.
+The leader writes the run directory (infra/rundir.py); every trainer evaluates its share of the evaluation
+(gathered over the trainers' data group), and under FSDP gathering a checkpoint is a collective, so every trainer
+takes part in it.
 """
 from __future__ import annotations
 
@@ -38,17 +39,32 @@ class Bookkeeping:
         self.reward_names, self.job, self.leader = reward_names, job, leader
         self.run_dir = rundir.open_run_dir(cfg, steps) if leader else None
         self.bar = _progress_bar(cfg, steps) if leader and cfg.progress else None
-        n_eval = cfg.eval_prompts or len(source.train)  # training prompts on held-out noises, then held-out prompts
-        eval_sampling = dataclasses.replace(sampling, num_steps=cfg.eval_num_steps or sampling.num_steps)
+        # --eval-split train+test: training prompts on held-out noises, then held-out prompts; test: held-out only
+        n_eval = 0 if cfg.eval_split == "test" else cfg.eval_prompts or len(source.train)
+        eval_sampling = dataclasses.replace(sampling, num_steps=cfg.eval_num_steps or sampling.num_steps,
+                                            batch_size=cfg.eval_batch_size)
+        group = trainer.data_group if trainer is not None else None
         self.evaluator = Evaluator(source.train[:n_eval], source.eval, eval_sampling, score, cfg.eval_seeds,
                                    self.run_dir.path if leader else None, metadata=source.train_metadata[:n_eval],
                                    heldout_metadata=source.eval_metadata,
-                                   on_images=self._log_eval_media if leader else None, guidance=cfg.eval_guidance)
-        self.evaluates = cfg.eval_every and (leader or cfg.fsdp)  # under FSDP evaluation is a collective
+                                   on_images=self._log_eval_media if leader else None, guidance=cfg.eval_guidance,
+                                   share=_place(group), gather=self._gather if _place(group)[1] > 1 else None,
+                                   lockstep=cfg.fsdp)
+        self.evaluates = bool(cfg.eval_every)  # every trainer evaluates its share
         self.initial_eval: dict = {}  # the starting policy: logged in the first row as eval_reward_initial, ...
         self.forget: list[Callable[[int], None]] = []
         self.stop_agreed = False  # the trainers agreed at this step's optimizer step to stop after it
         self.last = self.start = time.perf_counter()
+
+    def _gather(self, mine) -> list:
+        """Every evaluating rank's (start, rewards, grid images): an all-gather over the trainers' data group."""
+        import torch.distributed as dist
+
+        group = self.trainer.data_group
+        out: list = [None] * dist.get_world_size(group)
+        with self.job.progress.inside("evaluation gather"):
+            dist.all_gather_object(out, mine, group=group)
+        return out
 
     def _log_eval_media(self, updates: int, *media) -> None:
         # TB/W&B steps are rows: the first evaluation goes with the first row, the one after step s's update
@@ -82,6 +98,10 @@ class Bookkeeping:
         """Log, evaluate and checkpoint (the leader; under FSDP evaluation and gathering are collectives)."""
         now = time.perf_counter()  # wall_s: seconds since this process's first step (compare_runs' time to reward)
         metrics.update(step_time_s=now - self.last, wall_s=now - self.start, version=self.trainer.version)
+        cfg = self.cfg
+        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
+            with self.tracer.span("eval", step=step), self.trainer.evaluation_weights():  # --ema: its weights
+                metrics.update(self.evaluator(self.policy, step + 1))  # eval_reward, ..._heldout_prompts; grids
         if self.leader or self.cfg.fsdp:
             self._record(step, metrics)
         if self.bar is not None:
@@ -98,9 +118,6 @@ class Bookkeeping:
 
     def _record(self, step: int, metrics: dict) -> None:
         cfg, checkpoint = self.cfg, None
-        if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps):
-            with self.tracer.span("eval", step=step), self.trainer.evaluation_weights():  # --ema: its weights
-                metrics.update(self.evaluator(self.policy, step + 1))  # eval_reward, ..._heldout_prompts; grids
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps or self.stop_agreed:
             # streamed: the leader writes each tensor as it is produced (under FSDP gathered: every trainer
             # produces them in the same order, the others keep none)
@@ -131,6 +148,15 @@ class Bookkeeping:
         if self.bar is not None:
             self.bar.close()
         return self.run_dir
+
+
+def _place(group) -> tuple[int, int]:
+    """(this rank's index, ranks) in `group` (None or one rank: (0, 1))."""
+    import torch.distributed as dist
+
+    if group is None or dist.get_world_size(group) == 1:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
 
 
 def _progress_bar(cfg, steps: range):

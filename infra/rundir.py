@@ -11,7 +11,9 @@ runs/<name>/
                             with weights_only=True: a state.pt that would run code is refused; written one tensor
                             at a time, infra/checkpoint_file.py, as torch.save writes it) and, with LoRA,
                             pytorch_lora_weights.safetensors that `pipe.load_lora_weights` accepts
-                            (alpha, rank and targets in its header: diffusers' LoRA adapter metadata)
+                            (alpha, rank and targets in its header: diffusers' LoRA adapter metadata);
+                            with --ema the LoRA file holds the EMA's weights, as Flow-GRPO's save_ckpt
+                            saves them (state.pt keeps both, for --resume)
 Every file is written atomically (temporary name, flush, fsync, rename): a crash never leaves half a file. A full or
 read-only disk (ENOSPC, EDQUOT, EROFS, EACCES) is an OutputWriteError that says so in one line; a checkpoint it cut
 is removed and the last complete one kept. Before any rank starts, `check_free_space` asks for room for
@@ -272,7 +274,9 @@ class RunDir:
                 with open(os.path.join(tmp, "meta.json"), "w") as f:  # what --resume checks without state.pt
                     json.dump({"step": state["step"], "identity": state["identity"]}, f)
                 if lora_layers is not None:
-                    layers = lora_layers(load_state(tmp)["weights"])  # read back memory-mapped
+                    written = load_state(tmp)  # read back memory-mapped
+                    # --ema: the LoRA file holds the average, as Flow-GRPO's save_ckpt saves it
+                    layers = lora_layers(written.get("ema", written["weights"]))
                     pipeline_class.save_lora_weights(tmp, transformer_lora_layers=layers,
                                                      transformer_lora_adapter_metadata=lora_metadata)
                 for name in os.listdir(tmp):

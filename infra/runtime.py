@@ -59,12 +59,23 @@ class Job:
         return result
 
 
+def fp16_autocast(cfg, use_cuda: bool) -> bool:
+    """--dtype fp16-autocast, or auto on CUDA for SD3 under Flow-GRPO (its base.py mixed_precision "fp16": the
+    SD3 transformer and VAE stay float32 (train_sd3.py lines 377-415), accelerate runs the forward under fp16
+    autocast, the text encoders in fp16)."""
+    return cfg.dtype == "fp16-autocast" or (cfg.dtype == "auto" and use_cuda and cfg.model == "sd3"
+                                            and cfg.algo == "flow_grpo")
+
+
 def device_of(cfg, local_rank: int) -> tuple[str, torch.dtype]:
-    """This rank's device (cuda:LOCAL_RANK mod GPUs, or cpu) and the policy dtype."""
+    """This rank's device (cuda:LOCAL_RANK mod GPUs, or cpu) and the policy dtype (float32 weights under
+    fp16_autocast)."""
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     device = f"cuda:{local_rank % torch.cuda.device_count()}" if use_cuda else "cpu"
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
         cfg.dtype, torch.bfloat16 if use_cuda else torch.float32)
+    if fp16_autocast(cfg, use_cuda):
+        dtype = torch.float32
     if use_cuda:
         torch.cuda.set_device(device)
         torch.backends.cuda.enable_cudnn_sdp(False)  # docs/DESIGN.md section 7: cuDNN SDPA backward crashed on H200
@@ -153,6 +164,8 @@ def _load_policy(cfg, device: str, dtype: torch.dtype, groups: comm.Groups, prog
                                     masters_after_sharding=cfg.fsdp)  # each trainer converts only its shard
     if cfg.grad_ckpt and groups.is_trainer:
         policy.transformer.enable_gradient_checkpointing()
+    if fp16_autocast(cfg, policy.device.type == "cuda"):
+        models.compute_in_fp16(policy)
     return policy
 
 

@@ -28,7 +28,8 @@ SAFE_ON_RESUME = ("steps", "eval_every", "save_every", "keep_checkpoints", "time
                   "tensorboard", "wandb", "wandb_project", "wandb_name", "threads", "nproc", "rollout_ranks",
                   "max_stale_fragments", "fsdp", "tsp_pack", "grad_ckpt", "max_bad_steps", "remote_url",
                   "remote_timeout_s", "remote_retries", "remote_batch_size", "eval_prompts", "eval_num_steps",
-                  "eval_guidance", "ema", "ema_decay", "ema_every", "cache_dir", "out_dir", "run_name")
+                  "eval_guidance", "ema", "ema_decay", "ema_every", "cache_dir", "out_dir", "run_name",
+                  "sample_batch_size", "eval_batch_size", "eval_split", "ema_repeats")
 IDENTITY = ("model", "pretrained", "lora", "lora_rank", "lora_alpha", "lora_targets")  # as infra.rundir.IDENTITY_FIELDS
 NOT_SAVED = ("resume", "config", "dry_run")  # describe the invocation, not the run
 _UNSET = object()
@@ -62,7 +63,16 @@ def read_saved(path: str, config_cls) -> dict:
     if saved.get("mode") == "custom":
         saved["mode"] = None
     _check_types(saved, config_cls, path)
+    if "trace" in saved and "kl_scale" not in saved:  # a run saved before issue 39: its training step as it ran
+        saved = {**BEFORE_FLOW_GRPO_STEP, **saved}
     return saved
+
+
+# A run saved before the fields of Flow-GRPO's training step existed (config.json holds every field of its day,
+# `trace` among them) ran with these; its resume or copy keeps them, not today's defaults.
+BEFORE_FLOW_GRPO_STEP = {"kl_scale": "step", "old_log_prob": "fresh", "minibatches": "groups",
+                         "drop_zero_advantage": False, "detach_uncond": False, "ema_repeats": 1,
+                         "eval_split": "train+test", "sample_batch_size": 0, "eval_batch_size": 0}
 
 
 _TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}

@@ -93,6 +93,7 @@ class Policy:
         self.reference_transformer = None  # a frozen copy of the initial weights: full fine-tuning with a KL term
         self.autocast = False  # fp32 master weights with a bf16 policy: compute under bf16 autocast
         self.masters_pending = False  # fp32 masters left to trainer.shard_for_fsdp (enable_full_training)
+        self.compute_dtype = dtype  # the autocast dtype (fp16 under compute_in_fp16)
         self.on_forward = lambda: None  # called after every transformer forward (main.py: liveness progress)
 
     @property
@@ -130,17 +131,21 @@ class Policy:
     def sigmas(self, num_steps: int) -> torch.Tensor:
         return self.family.sigmas(self.pipe, num_steps, self.height, self.width, self.frames)
 
-    def velocity(self, latents, sigma, cond, transformer=None, cfg: bool = True) -> torch.Tensor:
+    def velocity(self, latents, sigma, cond, transformer=None, cfg: bool = True,
+                 detach_uncond: bool = False) -> torch.Tensor:
         """v(latents, sigma | cond) in float32 [B, ...]; sigma is per-sample [B]. cfg=False scores the
-        conditional branch alone (Flow-GRPO's train.cfg = False; true-CFG families only)."""
+        conditional branch alone (Flow-GRPO's train.cfg = False; true-CFG families only);
+        detach_uncond: the unconditional branch carries no gradient (Family.forward)."""
         transformer = transformer if transformer is not None else self.transformer
         cond = {k: v.to(self.device, self.dtype) for k, v in cond.items()}
         neg = None if self.negative_cond is None or not cfg else {
             k: v.to(self.device, self.dtype) for k, v in self.negative_cond.items()}
-        amp = torch.autocast(self.device.type, dtype=self.dtype) if self.autocast else contextlib.nullcontext()
+        amp = (torch.autocast(self.device.type, dtype=self.compute_dtype) if self.autocast
+               else contextlib.nullcontext())
         with amp:  # fp32 master weights: matmuls run in the policy dtype, as on the rollout ranks
             out = self.family.forward(self.pipe, transformer, latents.to(self.device, self.dtype),
-                                      sigma.to(self.device, torch.float32), cond, self.guidance, neg)
+                                      sigma.to(self.device, torch.float32), cond, self.guidance, neg,
+                                      detach_uncond=detach_uncond)
         self.on_forward()
         return out.to(torch.float32)
 
@@ -264,6 +269,18 @@ def _quiet_libraries() -> None:
 
 def has_lora(transformer) -> bool:
     return bool(getattr(transformer, "peft_config", None))
+
+
+def compute_in_fp16(policy: Policy) -> None:
+    """Flow-GRPO's SD3 precision (config/base.py mixed_precision "fp16", scripts/train_sd3.py lines 401-415): the
+    transformer's and the VAE's weights stay float32 (the policy dtype), the text encoders run in float16, and the
+    transformer computes under float16 autocast, sampling and training alike (accelerate wraps its forward)."""
+    for name, module in policy.pipe.components.items():
+        if name.startswith("text_encoder") and isinstance(module, torch.nn.Module):
+            module.to(torch.float16)
+    policy._prompt_cache.clear()  # encodings of the float32 encoders
+    policy.negative_cond = policy.encode_prompts([""]) if policy.family.uses_true_cfg else None
+    policy.autocast, policy.compute_dtype = True, torch.float16
 
 
 def enable_full_training(policy: Policy, fp32_master: bool = False, masters_after_sharding: bool = False) -> None:

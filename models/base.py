@@ -99,8 +99,11 @@ class Family:
         m = (max_shift - base_shift) / (max_len - base_len)
         return seq_len * m + (base_shift - m * base_len)
 
-    def forward(self, pipe, transformer, latents, sigma, cond, guidance: float, negative_cond=None) -> torch.Tensor:
-        """Velocity for latents [B, ...] at per-sample sigma [B]; true CFG in one batch where the family uses it."""
+    def forward(self, pipe, transformer, latents, sigma, cond, guidance: float, negative_cond=None,
+                detach_uncond: bool = False) -> torch.Tensor:
+        """Velocity for latents [B, ...] at per-sample sigma [B]; true CFG in one batch where the family uses it.
+        detach_uncond: the unconditional branch without gradient, v_u.detach() + s (v_c - v_u.detach())
+        (Flow-GRPO's scripts/train_sd3.py compute_log_prob, line 190)."""
         raise NotImplementedError
 
     def decode(self, pipe, latents, height: int, width: int, frames: int) -> torch.Tensor:

@@ -79,7 +79,8 @@ class FluxFamily(Family):
         noise = torch.randn((1, c, h, w), generator=generator)  # [1, C, h, w]
         return pipe._pack_latents(noise, 1, c, h, w)[0]  # [(h/2)(w/2), 4C]
 
-    def forward(self, pipe, transformer, latents, sigma, cond, guidance, negative_cond=None):
+    def forward(self, pipe, transformer, latents, sigma, cond, guidance, negative_cond=None,
+                detach_uncond=False):
         b, n_tokens, _ = latents.shape
         side = int(round(n_tokens**0.5))  # square images
         img_ids = pipe._prepare_latent_image_ids(b, side, side, latents.device, latents.dtype)  # [n, 3]

@@ -90,7 +90,8 @@ class HunyuanVideoFamily(Family):
     # sample_noise: the base default (randn in latent_shape) is exactly HunyuanVideoPipeline.prepare_latents.
     # sigmas: the base default; the pipeline passes linspace(1, 0, T + 1)[:-1] = linspace(1, 1/T, T), static shift.
 
-    def forward(self, pipe, transformer, latents, sigma, cond, guidance, negative_cond=None):
+    def forward(self, pipe, transformer, latents, sigma, cond, guidance, negative_cond=None,
+                detach_uncond=False):
         b = latents.shape[0]
         guidance_vec = None
         if transformer.config.guidance_embeds:  # the pipeline passes guidance_scale * 1000

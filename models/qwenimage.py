@@ -103,7 +103,8 @@ class QwenImageFamily(Family):
         noise = torch.randn((1, 1, c, h, w), generator=generator)  # [1, 1, C, h, w]
         return pipe._pack_latents(noise, 1, c, h, w)[0]  # [(h/2)(w/2), 4C]
 
-    def forward(self, pipe, transformer, latents, sigma, cond, guidance, negative_cond=None):
+    def forward(self, pipe, transformer, latents, sigma, cond, guidance, negative_cond=None,
+                detach_uncond=False):
         b, n_tokens, _ = latents.shape
         side = math.isqrt(n_tokens)  # square images (like flux.py): the packed layout does not carry h and w
         if side * side != n_tokens:
@@ -121,6 +122,8 @@ class QwenImageFamily(Family):
         if not cfg:
             return v
         v_cond, v_uncond = v.chunk(2)  # [B, n, 4C] each
+        if detach_uncond:
+            v_uncond = v_uncond.detach()
         combined = v_uncond + guidance * (v_cond - v_uncond)
         # The pipeline's norm rescale: each token keeps the conditional prediction's norm.
         return combined * (torch.norm(v_cond, dim=-1, keepdim=True) / torch.norm(combined, dim=-1, keepdim=True))

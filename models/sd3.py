@@ -107,7 +107,8 @@ class SD3Family(Family):
         scheduler.set_timesteps(num_steps, device="cpu", **kwargs)
         return scheduler.sigmas.to(torch.float32).clone()  # [num_steps + 1], 1 down to 0
 
-    def forward(self, pipe, transformer, latents, sigma, cond, guidance, negative_cond=None):
+    def forward(self, pipe, transformer, latents, sigma, cond, guidance, negative_cond=None,
+                detach_uncond=False):
         b = latents.shape[0]
         cfg = negative_cond is not None and guidance > 1.0  # the pipeline's do_classifier_free_guidance
         x = latents
@@ -125,6 +126,8 @@ class SD3Family(Family):
         if not cfg:
             return v
         v_uncond, v_cond = v.chunk(2)
+        if detach_uncond:  # Flow-GRPO's train_sd3.py line 190: the gradient is guidance * dv_cond
+            v_uncond = v_uncond.detach()
         return v_uncond + guidance * (v_cond - v_uncond)
 
     # --- pre-training hooks (models/pretrain.py) ---------------------------------------------

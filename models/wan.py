@@ -80,7 +80,8 @@ class WanFamily(Family):
         pipe.scheduler.set_timesteps(num_steps, sigmas=base, device="cpu")
         return pipe.scheduler.sigmas.to(torch.float32).clone()  # [num_steps + 1], ~1 (UniPC: 1 - 1e-6) down to 0
 
-    def forward(self, pipe, transformer, latents, sigma, cond, guidance, negative_cond=None):
+    def forward(self, pipe, transformer, latents, sigma, cond, guidance, negative_cond=None,
+                detach_uncond=False):
         b = latents.shape[0]
         cfg = negative_cond is not None and guidance > 1.0
         # WanPipeline passes scheduler.timesteps = sigma * num_train_timesteps (UniPC rounds them to integers;
@@ -94,6 +95,8 @@ class WanFamily(Family):
         if not cfg:
             return v  # [B, C, F', h, w]
         v_cond, v_uncond = v.chunk(2)
+        if detach_uncond:
+            v_uncond = v_uncond.detach()
         return v_uncond + guidance * (v_cond - v_uncond)
 
     # --- pre-training hooks (models/pretrain.py) ---------------------------------------------

@@ -26,7 +26,10 @@ def bad_files(tmp_path):
     (partial / "model_index.json").write_text('{"_class_name": "FluxPipeline", "transformer": ["diffusers", "X"]}')
     not_a_run = tmp_path / "not_a_run"
     not_a_run.mkdir()
-    return {"empty": str(empty), "binary": str(binary), "partial": str(partial), "not_a_run": str(not_a_run)}
+    few = tmp_path / "few.txt"  # under 10 prompts: no held-out split
+    few.write_text("a red image\na blue image\n")
+    return {"empty": str(empty), "binary": str(binary), "partial": str(partial), "not_a_run": str(not_a_run),
+            "few": str(few)}
 
 
 BAD = [
@@ -68,6 +71,17 @@ BAD = [
     (["--resume", "/nonexistent/run"], "--resume '/nonexistent/run' is not a directory"),
     (["--resume", "{not_a_run}"], "has no complete checkpoint"),
     (["--device", "tpu"], "--device 'tpu'"),
+    # issue 39: batch sizes that cannot divide the work, Flow-GRPO's step's choices
+    (["--sample-batch-size", "3"], "--sample-batch-size 3 does not divide a fragment's 8 trajectories "
+                                   "(--fragment-groups 1 x --group-size 8)"),
+    (["--sample-batch-size", "-1"], "--sample-batch-size must be >= 0"),
+    (["--eval-batch-size", "-2"], "--eval-batch-size must be >= 0"),
+    (["--kl-scale", "exact"], "--kl-scale 'exact' is not one of diffusion, step"),
+    (["--minibatches", "random"], "--minibatches 'random' is not one of samples, groups"),
+    (["--drop-zero-advantage"], "--drop-zero-advantage keeps the samples of nonzero batch advantage"),
+    (["--seed", "-1"], "--seed -1 must be in [0, 4194304)"),
+    (["--prompt-file", "{few}", "--eval-split", "test"], "--eval-split test, but the prompts (text file) have no "
+                                                         "held-out split"),
 ]
 
 
@@ -152,3 +166,22 @@ def test_a_config_saved_before_the_tcss_rename_still_loads(tmp_path):
     assert read_saved(str(old), config.Config)["use_tcss"] is False
     assert config.from_dict({"use_async": True}).use_tcss is True
     assert config.from_dict({"use_async": True, "use_tcss": False}).use_tcss is False  # the new name wins
+
+
+def test_a_run_saved_before_flow_grpos_training_step_resumes_with_its_own(tmp_path):
+    """Catches a resume (or --config copy) of a run saved before issue 39 switching to today's training step: its
+    KL scale, ratio reference, minibatches and evaluation stay what they were; a hand-written partial file (no
+    `trace`: not a saved run) gets today's defaults."""
+    import json
+
+    import config
+    from infra.saved_config import read_saved
+
+    old = tmp_path / "config.json"
+    old.write_text(json.dumps({"model": "sd3", "beta": 0.04, "trace": True, "steps": 7}))
+    saved = read_saved(str(old), config.Config)
+    assert (saved["kl_scale"], saved["old_log_prob"], saved["minibatches"], saved["detach_uncond"],
+            saved["eval_split"]) == ("step", "fresh", "groups", False, "train+test")
+    partial = tmp_path / "recipe.json"
+    partial.write_text(json.dumps({"model": "sd3", "beta": 0.04}))
+    assert "kl_scale" not in read_saved(str(partial), config.Config)

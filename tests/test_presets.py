@@ -145,3 +145,58 @@ def test_dry_run_prints_the_preset_of_the_pipelines_family_and_starts_nothing(ti
     wrong = subprocess.run([sys.executable, "main.py", "--model", "flux", "--pretrained", path, "--dry-run"],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert wrong.returncode == 2 and "is a qwenimage pipeline" in wrong.stderr
+
+
+def _flow_grpo_epoch(gpu_number: int, train_batch_size: int, num_image_per_prompt: int, groups: int):
+    """Flow-GRPO's config/grpo.py formulas (@ 31c71b9): num_batches_per_epoch = int(groups / (gpu_number *
+    train_batch_size / num_image_per_prompt)); the groups of an epoch; gradient_accumulation_steps = num_batches
+    // 2 (each an ema.step call per update)."""
+    num_batches = int(groups / (gpu_number * train_batch_size / num_image_per_prompt))
+    return num_batches * gpu_number * train_batch_size // num_image_per_prompt, num_batches // 2
+
+
+# Outside truth, re-typed: config/grpo.py @ 31c71b9 (pickscore_flux, pickscore_sd3 [lines 106-141 at ac4c86e],
+# pickscore_qwenimage, general_ocr_wan2_1) on config/base.py (line 69 adam_weight_decay 1e-4, line 91 beta 0); DanceGRPO
+# scripts/finetune/finetune_flux_grpo.sh @ 22b85ef (2 nodes x 8 GPUs line 21, --train_batch_size 1 line 29,
+# --learning_rate 1e-5 line 36, --weight_decay 0.0001 line 50) and fastvideo/train_grpo_flux.py (batch_size = 1 in
+# sample_reference_model; no KL term in its loss).
+FLUX_EPOCH, SD3_EPOCH, QWEN_EPOCH = (_flow_grpo_epoch(32, 3, 24, 48), _flow_grpo_epoch(32, 9, 24, 48),
+                                     _flow_grpo_epoch(32, 4, 16, 32))
+PUBLISHED = {
+    ("flux", "flow_grpo"): dict(prompts_per_step=FLUX_EPOCH[0], beta=0.0, weight_decay=1e-4, sample_batch_size=3,
+                                eval_batch_size=16, ema_repeats=FLUX_EPOCH[1]),
+    # sample.train_batch_size 9 does not divide a 24-trajectory fragment: the preset takes 8 (validation refuses 9)
+    ("sd3", "flow_grpo"): dict(prompts_per_step=SD3_EPOCH[0], beta=0.01, weight_decay=1e-4, sample_batch_size=8,
+                               eval_batch_size=16, ema_repeats=SD3_EPOCH[1]),
+    ("qwenimage", "flow_grpo"): dict(prompts_per_step=QWEN_EPOCH[0], beta=0.0, weight_decay=1e-4,
+                                     sample_batch_size=4, eval_batch_size=4, ema_repeats=QWEN_EPOCH[1]),
+    ("wan", "flow_grpo"): dict(beta=0.004, weight_decay=1e-4, eval_batch_size=2, lr=1e-4),
+    ("flux", "dance_grpo"): dict(prompts_per_step=2 * 8 * 1, beta=0.0, weight_decay=1e-4, sample_batch_size=1,
+                                 lr=1e-5),
+}
+
+
+@pytest.mark.parametrize("model,algo", sorted(PUBLISHED))
+def test_presets_carry_the_published_batch_beta_weight_decay_and_batch_sizes(model, algo):
+    """Catches issue 38 defect 6: prompts_per_step left at the tiny 3 (Flow-GRPO: 48 groups), no beta or weight
+    decay preset; and a value that names no source file and line (or function)."""
+    values = presets.for_run(model, True, algo).values
+    assert (FLUX_EPOCH, SD3_EPOCH, QWEN_EPOCH) == ((48, 6), (48, 2), (32, 2))  # the formulas, by hand
+    for name, want in PUBLISHED[(model, algo)].items():
+        assert values[name].value == want, (model, algo, name)
+    for name in ("prompts_per_step", "beta", "weight_decay", "sample_batch_size", "eval_batch_size", "ema_repeats"):
+        source = values[name].source
+        assert any(f in source for f in (".py", ".sh", "pipelines", "(")), (name, source)
+
+
+def test_full_fine_tuning_gets_its_own_learning_rate_and_the_tiny_pipelines_their_own():
+    """Catches --no-lora taking the LoRA learning rate (Flow-GRPO's 3e-4 for adapters: full weights at that rate
+    diverge): no Flow-GRPO recipe trains every weight, so the preset is DanceGRPO's full fine-tuning 1e-5."""
+    full = presets.for_run("flux", True, "flow_grpo", lora=False).values["lr"]
+    assert full.value == 1e-5 and "finetune_flux_grpo.sh line 36" in full.source
+    assert presets.for_run("flux", True, "flow_grpo", lora=True).values["lr"].value == 3e-4
+    cfg = config.resolve(config.parse_args(["--model", "sd3", "--pretrained", "x", "--no-lora"]))
+    assert (cfg.lr, cfg.prompts_per_step, cfg.beta, cfg.weight_decay) == (1e-5, 48, 0.01, 1e-4)
+    assert "full fine-tuning" in presets.describe(cfg)
+    tiny = config.resolve(config.parse_args([]))
+    assert (tiny.prompts_per_step, tiny.beta, tiny.weight_decay, tiny.sample_batch_size) == (3, 0.0, 0.0, 0)

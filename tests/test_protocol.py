@@ -57,7 +57,7 @@ class OneWeightPolicy:
         self.transformer.theta = torch.nn.Parameter(torch.zeros(dim))
         self.device = torch.device("cpu")
 
-    def velocity(self, latents, sigma, cond, transformer=None, cfg=True):  # no CFG branch to drop
+    def velocity(self, latents, sigma, cond, transformer=None, cfg=True, detach_uncond=False):  # no CFG
         return self.transformer.theta.expand_as(latents)  # [B, dim]
 
 
@@ -432,14 +432,18 @@ def test_minibatches_hold_later_parts_until_the_update_and_split_a_straddling_fr
                                  gap.nothing)
 
 
-def test_updates_inside_a_step_score_later_pairs_against_the_recorded_log_probs():
-    """The first minibatch of a fresh step is on-policy (ratio 1); after an update the pairs are scored against
-    the rollout's log-probs, so the ratio moves and the clip can act; the version moves once per RL step."""
-    trainer = _trainer(version=0, optimizer="sgd", lr=1.0)
+@pytest.mark.parametrize("old_log_prob", ["fresh", "rollout"])
+def test_updates_inside_a_step_score_later_pairs_against_the_recorded_log_probs(old_log_prob):
+    """With --old-log-prob fresh the first minibatch of a fresh step is on-policy (ratio 1); with rollout
+    (Flow-GRPO's: train_sd3.py line 886 takes every ratio against sample["log_probs"]) it is scored against the
+    rollout's recorded log-probs too (here 0, so its ratio is not 1). After an update the pairs are scored
+    against the rollout's log-probs, so the ratio moves and the clip can act; the version moves once per RL
+    step."""
+    trainer = _trainer(version=0, optimizer="sgd", lr=1.0, old_log_prob=old_log_prob)
     first, later = _fragment(0), _fragment(0)
     trainer.accumulate(first, *_packs(first), total_pairs=4)
-    assert trainer.metrics.sums["pairs_fresh"] > 0 and trainer.metrics.sums["ratio_mean_fresh"] == \
-        trainer.metrics.sums["pairs_fresh"]  # ratio exactly 1
+    on_policy = trainer.metrics.sums["ratio_mean_fresh"] == trainer.metrics.sums["pairs_fresh"]  # ratio 1
+    assert trainer.metrics.sums["pairs_fresh"] > 0 and on_policy == (old_log_prob == "fresh")
     trainer.update()
     assert trainer.version == 0 and trainer.updates_in_step == 1
     trainer.accumulate(later, *_packs(later), total_pairs=4)

@@ -246,3 +246,34 @@ def test_no_train_cfg_is_refused_for_guidance_distilled_families(model, tiny_cac
     cfg = config.resolve(config.parse_args(["--model", model, "--no-train-cfg"]))
     with pytest.raises(ValueError, match="--no-train-cfg: .*guidance-distilled.*sd3, qwenimage and wan"):
         config.validate(cfg, 2)
+
+
+def test_fp16_autocast_is_flow_grpos_sd3_precision(sd3_path):
+    """Catches SD3 under --algo flow_grpo on CUDA running bf16 where Flow-GRPO runs float32 weights with fp16
+    autocast (config/base.py line 21 mixed_precision "fp16"; scripts/train_sd3.py lines 401-415 keep the VAE and the
+    transformer float32, the text encoders fp16), and the mode leaking to other families, algorithms or the CPU."""
+    from infra import runtime
+
+    def cfg(**kw):
+        return config.Config(**{"model": "sd3", "algo": "flow_grpo", "dtype": "auto", **kw})
+    assert runtime.fp16_autocast(cfg(), use_cuda=True)
+    assert not runtime.fp16_autocast(cfg(), use_cuda=False)  # the CPU keeps float32
+    assert not runtime.fp16_autocast(cfg(model="flux"), use_cuda=True)  # FLUX: bf16, as its recipe
+    assert not runtime.fp16_autocast(cfg(algo="dance_grpo"), use_cuda=True)
+    assert not runtime.fp16_autocast(cfg(dtype="bfloat16"), use_cuda=True)
+    assert runtime.fp16_autocast(cfg(model="flux", dtype="fp16-autocast"), use_cuda=False)
+    policy = models.load("sd3", sd3_path, "cpu", torch.float32, max_sequence_length=16)
+    x = policy.noise(torch.Generator().manual_seed(0))[None]
+    exact = policy.velocity(x, torch.full((1,), 0.7), policy.encode_prompts(["a red image"]))
+    models.compute_in_fp16(policy)
+    assert policy.pipe.text_encoder.dtype == policy.pipe.text_encoder_3.dtype == torch.float16
+    assert policy.transformer.dtype == policy.pipe.vae.dtype == torch.float32
+    seen = []
+    hook = policy.transformer.register_forward_hook(lambda m, a, out: seen.append(torch.get_autocast_dtype("cpu")
+                                                                                   if torch.is_autocast_enabled("cpu")
+                                                                                   else None))
+    half = policy.velocity(x, torch.full((1,), 0.7), policy.encode_prompts(["a red image"]))
+    hook.remove()
+    assert seen == [torch.float16] and half.dtype == torch.float32
+    torch.testing.assert_close(half, exact, rtol=0.05, atol=0.05)  # fp16's rounding, not another model
+    assert not torch.equal(half, exact)

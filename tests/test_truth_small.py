@@ -162,7 +162,7 @@ class LinePolicy:
     def sigmas(self, num_steps):
         return torch.linspace(1, 0, num_steps + 1)
 
-    def velocity(self, latents, sigma, cond, transformer=None, cfg=True):  # no CFG branch to drop
+    def velocity(self, latents, sigma, cond, transformer=None, cfg=True, detach_uncond=False):  # no CFG
         theta = (transformer or self.transformer).theta  # [dim]
         return theta.expand_as(latents).float()  # [B, dim]
 

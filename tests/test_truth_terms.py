@@ -4,9 +4,11 @@
   copy for full fine-tuning; for LoRA with nonzero B, the base transformer copied before the adapters went
   in): the gradient the optimizer sees is autograd on the plain objective written out here (test_truth's
   Flow-GRPO loss plus beta / (N T_train) times the sum over pairs of torch.distributions' Gaussian KL between
-  the policy's and the reference's step distributions), and the logged `kl` is that KL's mean over the real pairs. Catches: the KL
-  with the wrong sign (the step would push away from the reference), the wrong weight, a reference that is
-  the policy itself (LoRA adapters not disabled: KL 0), a KL over another std, padding pairs in the metric.
+  the policy's and the reference's step distributions: --kl-scale step; times each pair's |dt|, Flow-GRPO's
+  KL over g^2 instead of the step variance g^2 |dt|: --kl-scale diffusion, the default), and the logged `kl`
+  is that KL's mean over the real pairs. Catches: the KL with the wrong sign (the step would push away from
+  the reference), the wrong weight, a reference that is the policy itself (LoRA adapters not disabled: KL 0),
+  a KL over another std (each scale against the other's), padding pairs in the metric.
 - DanceGRPO: a fragment generated with `--algo dance_grpo` (constant eta, shared group noise, random
   per-sample timesteps) and trained through Trainer.accumulate in packs that mix timesteps: the trainer's
   log-probs are the rollout's (logprob_gap below 1e-5, and the PPO ratio against the recorded log-probs of the
@@ -44,9 +46,10 @@ def setup(tiny_cache):
 
 # --- the KL term ---------------------------------------------------------------------------------------
 def plain_kl(policy, reference, fragment):
-    """[n pairs] KL(N(mean_theta, std^2) || N(mean_ref, std^2)) of each pair's Flow-GRPO step, averaged over the
-    latent dimensions (the log-prob's convention), by torch.distributions; the reference without gradient."""
-    kls = []
+    """([n pairs] KL(N(mean_theta, std^2) || N(mean_ref, std^2)) of each pair's Flow-GRPO step, averaged over the
+    latent dimensions (the log-prob's convention), by torch.distributions; the reference without gradient,
+    [n pairs] |dt| of each pair's step)."""
+    kls, dts = [], []
     m, t_train = fragment.latents.shape[:2]
     for i in range(m):
         cond = {k: v[i:i + 1] for k, v in fragment.cond.items()}
@@ -64,7 +67,8 @@ def plain_kl(policy, reference, fragment):
             std = g * torch.sqrt(-dt)
             kls.append(torch.distributions.kl_divergence(torch.distributions.Normal(mean, std),
                                                          torch.distributions.Normal(ref_mean, std)).mean())
-    return torch.stack(kls)
+            dts.append(-dt)
+    return torch.stack(kls), torch.stack(dts)
 
 
 def _lora_policy_and_base():
@@ -97,16 +101,21 @@ def test_kl_value_and_gradient_are_the_plain_objectives_with_a_perturbed_referen
         m, t_train = fragment.latents.shape[:2]
         total = 2 * m * t_train  # the fragment is half the batch
         params = [p for p in policy.transformer.parameters() if p.requires_grad]
-        kl = plain_kl(policy, reference, fragment)
-        assert float(kl.detach().min()) > 0  # the reference differs at every pair: a sign or weight error shows
-        objective = plain_flow_grpo_loss(policy, fragment, None, 0.01, total) + BETA * kl.sum() / total
-        want = torch.autograd.grad(objective, params)
+        exact, dt = plain_kl(policy, reference, fragment)
+        assert float(exact.detach().min()) > 0  # the reference differs at every pair: a sign or weight error shows
+        policy_loss = plain_flow_grpo_loss(policy, fragment, fragment.log_probs, 0.01, total)
         packs, masks = tsp.tsp_packs(m, t_train, 0, 1, 4)  # two padding pairs, left out of the kl metric
-        cfg = TrainConfig(lr=1e-3, clip_range=0.01, max_grad_norm=1e6, noise_level=NOISE_LEVEL, beta=BETA)
-        got, metrics = _step_gradient(policy, fragment, cfg, packs, masks, total)
-        for a, b in zip(got, want):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-8)
-        assert metrics["kl"] == pytest.approx(float(kl.detach().mean()), rel=1e-4)
+        kls = {"step": exact, "diffusion": exact * dt}  # Flow-GRPO's: over g^2, not g^2 |dt|
+        wants = {scale: torch.autograd.grad(policy_loss + BETA * kl.sum() / total, params, retain_graph=True)
+                 for scale, kl in kls.items()}
+        for scale, kl in kls.items():
+            want = wants[scale]
+            cfg = TrainConfig(lr=1e-3, clip_range=0.01, max_grad_norm=1e6, noise_level=NOISE_LEVEL, beta=BETA,
+                              kl_scale=scale)
+            got, metrics = _step_gradient(policy, fragment, cfg, packs, masks, total)
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-8)
+            assert metrics["kl"] == pytest.approx(float(kl.detach().mean()), rel=1e-4)
         if kind == "full":
             assert policy.reference_transformer is reference  # the trainer used this reference, not a new copy
     finally:

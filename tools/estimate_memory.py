@@ -10,8 +10,10 @@ The real-size transformer of the family (FLUX.1-dev 11.9B, Qwen-Image 20.4B, Wan
 transformer/config.json; no weights) under FakeTensorMode: tensors with shapes and dtypes but no storage. A fake
 process group of the asked world size (torch.testing._internal.distributed.fake_pg) stands in for the ranks. Then
 the project's own code runs, as torchtitan's scripts/estimate/estimation.py does for its models:
-- rollout rank: models.Policy (bf16, LoRA adapters when on) and one denoising forward (Policy.velocity) of a
-  whole fragment (--fragment-groups x --group-size samples; true CFG doubles the batch);
+- rollout rank: models.Policy (bf16, LoRA adapters when on) and one denoising forward (Policy.velocity) of one
+  forward batch (--sample-batch-size samples, the family's published one by default, at most a fragment of
+  --fragment-groups x --group-size; true CFG doubles the batch), then the VAE decode of such a batch (the
+  family's released VAE, built from its config) while the transformer stays loaded: the larger of the two;
 - trainer rank: models.add_lora or models.enable_full_training (fp32 masters), trainer.shard_for_fsdp over the
   K = nproc - rollout_ranks trainers (with --fsdp), trainer.Trainer (its optimizer, its KL reference), then two
   training packs of --tsp-pack pairs: Trainer.pair_loss, backward, Trainer.all_reduce_gradients, gradient clip,
@@ -19,8 +21,8 @@ the project's own code runs, as torchtitan's scripts/estimate/estimation.py does
 torch's own trackers (torch.distributed._tools.mem_tracker.MemTracker, fsdp2_mem_tracker.FSDPMemTracker) count
 every tensor's bytes by category; their peak plus the components every rank also holds whole in bf16 (text
 encoders, VAE: parameter counts below, counted from their configs on the meta device) is the rank's peak.
-Not counted: the CUDA context and NCCL buffers (about 1-3 GiB), allocator fragmentation, and the tensors of the
-decode and reward (a fragment's images, the reward model). `fits` keeps RESERVE_GIB of headroom for them.
+Not counted: the CUDA context and NCCL buffers (about 1-3 GiB), allocator fragmentation, and the reward model.
+`fits` keeps RESERVE_GIB of headroom for them.
 
 Departures: tensors are on the CPU under FakeTensorMode (a CPU-only torch cannot fake CUDA tensors), so an op
 whose CPU and CUDA kernels keep different temporaries is counted as on CPU; attention is SDPA's fused kernel
@@ -170,13 +172,61 @@ def _cond(policy, m: int) -> dict:
     return policy.encode_prompts([f"prompt {i}" for i in range(m)])
 
 
+def forward_samples(args) -> int:
+    """Trajectories per rollout forward: the sample batch size, within a fragment (0: the whole fragment)."""
+    fragment = args.fragment_groups * args.group_size
+    return min(args.sample_batch_size or fragment, fragment)
+
+
+class _Decode(torch.nn.Module):
+    """vae.decode as a module's forward (what MemTracker tracks)."""
+
+    def __init__(self, vae):
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, z):
+        return self.vae.decode(z, return_dict=False)[0]
+
+
+def decode_peak(model: str, args) -> dict:
+    """The VAE decode of one forward batch on a rollout rank (rollout.decode_and_score: the family's decode, a
+    batch at a time), bf16: the VAE's weights and the decoder's activations, tracked."""
+    import diffusers
+
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    name, kwargs = FAMILIES[model]["vae"]
+    torch.set_default_dtype(torch.bfloat16)
+    try:  # on the meta device, outside FakeTensorMode: its init ops are not worth faking (seconds each)
+        with unset_fake_temporarily(), torch.device("meta"):
+            vae = getattr(diffusers, name)(**kwargs).requires_grad_(False)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    materialize(vae, args.device)
+    f = FAMILIES[model]["vae_spatial"]
+    h, w = args.resolution // f, args.width // f
+    frames = 1 + (args.frames - 1) // 4 if model in ("wan", "hunyuanvideo") else None  # causal video VAEs
+    channels = 16
+    shape = (channels, h, w) if name == "AutoencoderKL" else (channels, frames or 1, h, w)
+    z = torch.zeros(forward_samples(args), *shape, dtype=torch.bfloat16, device=args.device)
+    decode = _Decode(vae)  # the video VAEs call their decoder once per latent frame: inside a module's forward,
+    tracker = _tracker()   # MemTracker takes repeated calls (from the top level it refuses them)
+    tracker.track_external(decode)
+    with tracker, torch.no_grad(), _allocator_peak(args.device) as allocator:
+        decode(z)
+    return {"peak": tracker.get_tracker_snapshot("peak"), "allocator_peak": allocator.get("peak"),
+            "vae_bytes": sum(p.numel() * p.element_size() for p in vae.parameters())}
+
+
 def rollout_peak(model: str, config: dict, args) -> dict:
-    """One denoising forward of a whole fragment on a rollout rank (bf16 weights, fp32 LoRA adapters)."""
+    """One denoising forward of a batch of --sample-batch-size trajectories on a rollout rank (bf16 weights, fp32
+    LoRA adapters)."""
     policy = build_policy(model, config, args)
     if args.lora:
         add_lora_on_meta(policy, args.lora_rank, args.lora_targets, args.bf16_adapters)
     materialize(policy.transformer, args.device)
-    m = args.fragment_groups * args.group_size
+    m = forward_samples(args)
     x = torch.randn(m, *policy.latent_shape(), device=args.device)  # [m, ...] float32 latents, as the sampler keeps
     cond = {k: v.to(args.device) for k, v in _cond(policy, m).items()}
     tracker = _tracker()
@@ -304,6 +354,7 @@ def _init_world(args, backend: str, store):
 def _both_roles(args, compute) -> tuple:
     config = transformer_config(args.model, args.pretrained_config, args.depth)
     rollout = rollout_peak(args.model, config, args)
+    rollout["decode"] = decode_peak(args.model, args) if args.decode else None
     if args.device.startswith("cuda"):
         torch.cuda.empty_cache()  # the rollout policy is gone: the trainer's peak starts from nothing
     train = trainer_peak(args.model, config, args, compute)
@@ -327,11 +378,19 @@ def estimate(args) -> dict:
         + train["reference_bytes"]
     hand = hand_bytes(train["params"], train["trainable"] if args.lora else train["params"], args.lora,
                       args.fsdp, trainers, args.beta)
+    forward = _total(rollout["peak"]) + others
+    decode = rollout["decode"]
+    if decode is not None:  # the transformer stays loaded while its batch is decoded (the VAE is in `others`)
+        weights = _part(rollout["peak"], "PARAM", "BUFFER")
+        decode_total = weights + others - decode["vae_bytes"] + _total(decode["peak"])
     out = {"model": args.model, "nproc": args.nproc, "trainers": trainers, "lora": args.lora, "fsdp": args.fsdp,
            "lora_rank": args.lora_rank, "resolution": args.resolution, "width": args.width, "frames": args.frames,
            "group_size": args.group_size, "tsp_pack": args.tsp_pack,
-           "params_b": train["params"] / 1e9, "fragment_samples": rollout["samples"],
-           "rollout_gib": (_total(rollout["peak"]) + others) / GIB,
+           "params_b": train["params"] / 1e9, "fragment_samples": args.fragment_groups * args.group_size,
+           "forward_samples": rollout["samples"],
+           "rollout_forward_gib": forward / GIB,
+           "rollout_decode_gib": None if decode is None else decode_total / GIB,
+           "rollout_gib": max(forward, decode_total if decode is not None else 0) / GIB,
            "trainer_gib": (_total(train["peak"]) + train["reference_bytes"] + others) / GIB, "others_gib": others / GIB,
            "trainer_states_gib": states / GIB, "hand_states_gib": hand / GIB,
            "rollout_peak_by_kind_gib": _kinds(rollout["peak"]), "trainer_peak_by_kind_gib": _kinds(train["peak"]),
@@ -410,6 +469,11 @@ def main(argv=None) -> int:
     p.add_argument("--frames", type=int, default=0, help="0 = the published setting (presets.py)")
     p.add_argument("--group-size", type=int, default=0, help="0 = the published setting (presets.py)")
     p.add_argument("--fragment-groups", type=int, default=1)
+    p.add_argument("--sample-batch-size", type=int, default=0,
+                   help="trajectories per rollout forward and decode (main.py's); 0 = the published setting "
+                        "(presets.py), at most the fragment")
+    p.add_argument("--decode", action=argparse.BooleanOptionalAction, default=True,
+                   help="count the VAE decode of a forward batch on the rollout rank")
     p.add_argument("--tsp-pack", type=int, default=4)
     p.add_argument("--text-len", type=int, default=512)
     p.add_argument("--beta", type=float, default=0.0)
@@ -443,8 +507,11 @@ def main(argv=None) -> int:
         print(_row(rows[-1]), flush=True)
     if not args.table:
         r = rows[0]
-        print(f"rollout rank: one denoising forward of {r['fragment_samples']} samples; tracked peak by kind (GiB) "
-              f"{r['rollout_peak_by_kind_gib']} + {r['others_gib']:.1f} GiB of text encoders and VAE\n"
+        decode = "" if r["rollout_decode_gib"] is None else (
+            f"; their VAE decode with the transformer loaded {r['rollout_decode_gib']:.1f} GiB")
+        print(f"rollout rank: one denoising forward of {r['forward_samples']} samples (a fragment holds "
+              f"{r['fragment_samples']}) {r['rollout_forward_gib']:.1f} GiB{decode}; tracked forward peak by kind "
+              f"(GiB) {r['rollout_peak_by_kind_gib']} + {r['others_gib']:.1f} GiB of text encoders and VAE\n"
               f"trainer rank: two packs of {args.tsp_pack} pairs; tracked peak by kind (GiB) "
               f"{r['trainer_peak_by_kind_gib']} + {r['others_gib']:.1f} GiB of text encoders and VAE\n"
               f"trainer after an optimizer step, by kind (GiB): {r['trainer_after_step_by_kind_gib']}\n"
@@ -463,6 +530,7 @@ def _measure_main(args) -> int:
 
     resolve_sizes(args)
     args.nproc, args.rollout_ranks = 2, 1
+    args.decode = False  # the forward and the training packs are what --measure compares
     rows = {}
     if not args.no_estimate:
         start = time.perf_counter()
@@ -499,6 +567,7 @@ def resolve_sizes(run) -> None:
     run.width = run.width or run.resolution
     run.frames = run.frames or (values["frames"].value if "frames" in values else 1)
     run.group_size = run.group_size or values["group_size"].value
+    run.sample_batch_size = run.sample_batch_size or values["sample_batch_size"].value
     run.rollout_ranks = run.rollout_ranks if run.rollout_ranks is not None else run.nproc // 2
 
 

@@ -63,6 +63,7 @@ INDEPENDENT = TRUTH + "test_the_fragment_and_the_trainers_log_probs_are_what_an_
 SD3 = "tests/test_sd3.py::"
 SD3_PIPELINE = SD3 + "test_velocity_reproduces_sd3_pipelines_own_sampling"
 ADV = "tests/test_advantages.py::"
+FLOW_STEP = "tests/test_flow_grpo_step.py::"
 ADV_TRACKER = ADV + "test_per_prompt_advantages_equal_flow_grpos_stat_tracker"
 ADV_COLLAPSED = ADV + "test_collapsed_groups_are_flow_grpos_dropped_samples_and_the_floor_tames_near_collapse"
 BATCH = "tests/test_batch_rewards.py::"
@@ -121,7 +122,7 @@ MUTANTS = [
       "DanceGRPO may train the last sampling step",
       REFERENCE + "test_dance_grpo_trains_a_random_subset_of_all_but_the_last_step"),
     M("rollout-rewards-misaligned", "rollout.py",
-      "scores = reward_fn(images, prompt_text", "scores = reward_fn(images.flip(0), prompt_text",
+      "parts.append(reward_fn(images, prompts[a:b]", "parts.append(reward_fn(images.flip(0), prompts[a:b]",
       "each trajectory gets another trajectory's reward", ADVANTAGES),
     M("rollout-one-noise-stream", "rollout.py",
       "torch.randn(x.shape[1:], generator=g) for g in generators",
@@ -368,7 +369,7 @@ MUTANTS = [
       "the loss weight 1/(N_j T_train) with N_j = groups, not trajectories (every placement alike)",
       PLAIN_E2E),
     M("main-count-every-trainer", "wiring.py",
-      "count=groups.is_leader or not cfg.tsp", "count=True",
+      "counts = groups.is_leader or not cfg.tsp", "counts = True",
       "under TSP every trainer counts each fragment's rewards (metrics K-fold)", K2),
     # --- the resume path (infra/rundir.py, Trainer.load_checkpoint_state, main.py) -----------------------
     M("rundir-write-in-place", "infra/rundir.py",
@@ -586,6 +587,39 @@ MUTANTS = [
       "if all(have[g * G:(g + 1) * G])]", "if any(have[g * G:(g + 1) * G])]",
       "a group is trained before all of its trajectories are in (advantages need the whole group)",
       "tests/test_simulate.py::test_tag_may_claim_part_of_a_group_by_hand"),
+    # --- Flow-GRPO's training step (issue 39): tests/test_flow_grpo_step.py re-types it ------------------------
+    M("flow-grpo-kl-over-step-variance", "trainer.py",
+      'scale = std if self.cfg.kl_scale == "step" else', "scale = std if True else",
+      "the KL term divided by the step variance g^2 |dt|, not Flow-GRPO's g^2 (1/|dt| times stronger)",
+      FLOW_STEP + "test_one_rl_step_equals_flow_grpos_training_step", KL),
+    M("flow-grpo-cfg-not-detached", "models/sd3.py",
+      "            v_uncond = v_uncond.detach()\n", "            v_uncond = v_uncond\n",
+      "SD3's unconditional branch back-propagated (gradient s dv_c - (s - 1) dv_u, not s dv_c)",
+      FLOW_STEP + "test_one_rl_step_equals_flow_grpos_training_step"),
+    M("flow-grpo-ratio-against-itself", "trainer.py",
+      'rollout = self.cfg.old_log_prob == "rollout"', "rollout = False",
+      "a step's first update scored against its own log-prob (ratio 1), not the rollout's",
+      FLOW_STEP + "test_one_rl_step_equals_flow_grpos_training_step"),
+    M("flow-grpo-ema-once", "ema.py",
+      "for _ in range(self.repeats):", "for _ in range(1):",
+      "one EMA application per trigger where Flow-GRPO's ema.step runs once per sampled sub-batch",
+      "tests/test_ema.py::test_ema_follows_flow_grpos_formula_by_hand",
+      FLOW_STEP + "test_one_rl_step_equals_flow_grpos_training_step"),
+    M("flow-grpo-drop-nothing", "gap.py",
+      "mask = torch.ones(total, dtype=torch.bool) if keep is None else keep.clone().bool()",
+      "mask = torch.ones(total, dtype=torch.bool)",
+      "SD3's zero-advantage samples kept in the minibatches (the step shrinks with the collapsed prompts)",
+      FLOW_STEP + "test_sample_minibatches_are_flow_grpos_mask_padding_and_permutation",
+      FLOW_STEP + "test_one_rl_step_equals_flow_grpos_training_step"),
+    M("flow-grpo-decode-whole-fragment", "rollout.py",
+      "for a, b in _bounds(batch_sizes(final.shape[0], batch_size)):",
+      "for a, b in _bounds(batch_sizes(final.shape[0], 0)):",
+      "a fragment decoded and scored in one VAE call whatever --sample-batch-size (issue 38 defect 3)",
+      "tests/test_sampling_batches.py::test_a_fragment_in_batches_is_the_fragment_in_one_batch"),
+    M("eval-own-share-only", "infra/evaluation.py",
+      "parts = self.gather(mine) if self.gather is not None else [mine]", "parts = [mine]",
+      "each rank's evaluation reports its own share only",
+      "tests/test_sampling_batches.py::test_evaluation_over_two_ranks_in_batches_equals_one_rank"),
     M("plan-memory-filter-off", "tools/plan.py",
       "    if not plan_memory.fits(peaks):\n", "    if False:\n",
       "the planner proposes configurations the memory estimate says do not fit",
