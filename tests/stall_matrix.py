@@ -228,6 +228,7 @@ ROWS = {
     "all-reduce": Row("colocated", 1, slow="call"),  # the gradients' (FSDP reduce-scatters them in "train")
     "publish": Row("fsdp", 1, nth=2),  # the leader's first publish after an update
     "eval": Row("fsdp", 2, args=tuple(EVAL), slow="unit"),
+    "evaluation gather": Row("fsdp", 2, args=tuple(EVAL), slow="call"),  # every trainer's share of the evaluation
     "checkpoint": Row("fsdp", 2, args=tuple(SAVE)),
     "write the run directory": Row("fsdp", 1, args=tuple(SAVE), excused=True),
     # shutdown
