@@ -588,10 +588,11 @@ def _check_numbers(c: Config) -> None:
         _bad(f"--weight-decay must be a finite number >= 0, got {c.weight_decay}")
     if c.lr > MAX_LR:
         _bad(f"--lr must be a positive number <= {MAX_LR:g}, got {c.lr}")
-    largest = gap.largest_seed(c.steps, c.prompts_per_step * c.group_size)
+    # every seed derived from it stays an int64, and below the held-out evaluation seeds (SEED_LIMIT)
+    largest = min(gap.largest_seed(c.steps, c.prompts_per_step * c.group_size), SEED_LIMIT - 1)
     if not 0 <= c.seed <= largest:
-        _bad(f"--seed must be an integer in [0, {largest}] (every seed derived from it stays an "
-             f"int64 over {c.steps} steps), got {c.seed}")
+        _bad(f"--seed must be an integer in [0, {largest}] (every seed derived from it stays an int64 "
+             f"over {c.steps} steps and below the held-out evaluation seeds), got {c.seed}")
     for name in ("resolution", "width"):
         if getattr(c, name) > MAX_SIDE:
             _bad(f"--{name} must be at most {MAX_SIDE} pixels, got {getattr(c, name)}")
@@ -688,9 +689,9 @@ def _check_batches(c: Config) -> None:
              "them into the minibatches: it needs --minibatches samples and batch statistics "
              f"(--[no-]per-prompt-stat-tracking); got --minibatches {c.minibatches}, "
              f"--per-prompt-stat-tracking {c.per_prompt_stat_tracking}")
-    if not 0 <= c.seed < SEED_LIMIT or not c.steps < STEPS_LIMIT:
-        _bad(f"--seed {c.seed} must be in [0, {SEED_LIMIT}) and --steps {c.steps} below "
-             f"{STEPS_LIMIT}: training noise seeds then never reach the held-out evaluation ones")
+    if not c.steps < STEPS_LIMIT:
+        _bad(f"--steps {c.steps} must be below {STEPS_LIMIT}: training noise seeds then never reach "
+             "the held-out evaluation ones")
     if c.ema_repeats < 1 or c.weight_decay < 0:
         _bad(f"--ema-repeats {c.ema_repeats} must be >= 1 and --weight-decay {c.weight_decay} "
              ">= 0")
@@ -735,10 +736,11 @@ def _check_model(c: Config, family) -> None:
 
 
 def _check_logging(c: Config) -> None:
+    import importlib.util
+    for flag, package in (("tensorboard", "tensorboard"), ("wandb", "wandb")):  # optional integrations
+        if getattr(c, flag) and importlib.util.find_spec(package) is None:
+            _bad(f"--{flag} needs the {package} package: pip install -r requirements-extras.txt")
     if c.wandb:
-        import importlib.util
-        if importlib.util.find_spec("wandb") is None:
-            _bad("--wandb needs the wandb package: pip install wandb")
         from infra.tracking import check_wandb_login
         check_wandb_login()
 

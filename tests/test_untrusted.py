@@ -507,6 +507,7 @@ def test_a_neighbour_cannot_steer_the_job_through_its_store_and_a_resume_redoes_
 
     import torch.distributed as dist
     from conftest import ROOT, rank_pids, read_metrics, run_main
+    pytest.importorskip("tensorboard")  # --tensorboard: requirements-extras.txt
     args = ["--mode", "digenrl", "--prompts-per-step", "2", "--group-size", "2", "--num-steps", "3", "--eval-every",
             "0", "--timeout-s", "60", "--no-trace", "--steps", "6", "--save-every", "2", "--tensorboard"]
     env = dict(os.environ, DIGENRL_CACHE=tiny_cache, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
