@@ -326,6 +326,18 @@ class Config:
                              "anywhere: a hung collective), before the job stops; never bounds "
                              "a step, which may take minutes. Smaller = a dead or stuck rank is "
                              "found sooner; it must exceed one forward or pack")
+    excused_timeout_s: Optional[float] = field(
+        None, "seconds a rank may spend without reporting progress inside a phase that cannot "
+        "report any (loading the pipeline, building the reward, a reward call, writing the run "
+        "directory or the trace), counted from the phase's start or its last report; past it that "
+        "silence counts like any other (--timeout-s). Unset = 4 x --timeout-s. Larger tolerates "
+        "slower disks, downloads and rewards; smaller finds a rank wedged there sooner")
+    stop_grace_s: float = field(
+        30.0, "after SIGTERM/SIGINT a running job finishes its step and checkpoints; if no rank "
+        "makes progress for this many seconds (or --timeout-s, if smaller) it ends without that "
+        "checkpoint, the last complete one stays. Schedulers SIGKILL after their own grace (SLURM "
+        "KillWait, Kubernetes' terminationGracePeriodSeconds: 30 s by default), so larger helps "
+        "only where theirs is larger; smaller ends a stuck job sooner")
     backend: str = field("auto", "compute-plane backend: auto (NCCL when every rank of a node has "
                          "its own GPU, else gloo), nccl, gloo. The data plane is always gloo with "
                          "CPU tensors (comm.py)")
@@ -599,7 +611,8 @@ def _check_numbers(c: Config) -> None:
     num_train_timesteps(SamplingConfig(num_steps=c.num_steps, noise_level=c.noise_level,
                                        timestep_fraction=c.timestep_fraction,
                                        algo=c.algo))  # T_train >= 1
-    for name in ("lr", "clip_range", "max_grad_norm", "timeout_s", "adv_clip"):
+    for name in ("lr", "clip_range", "max_grad_norm", "timeout_s", "adv_clip", "stop_grace_s",
+                 *(["excused_timeout_s"] if c.excused_timeout_s is not None else [])):
         value = getattr(c, name)
         if not (math.isfinite(value) and value > 0):
             _bad(f"--{name.replace('_', '-')} must be a positive number, got {value}")
