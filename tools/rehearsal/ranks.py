@@ -88,7 +88,7 @@ class Disk:
     def key(path) -> str:
         return str(path).replace(".partial", "")
 
-    def save_streamed(self, state, path, produce) -> None:
+    def save_streamed(self, state, path, produce, on_write=None) -> None:
         """checkpoint_file.save's walk: each Deferred produced (a gather under FSDP, the whole
         tensor on the host), its bytes "written", let go before the next, as the real file does."""
         from infra import checkpoint_file
@@ -102,6 +102,8 @@ class Disk:
                                  f"{tensor.device} for {deferred!r}")
             saved[id(deferred)] = _Saved(tuple(deferred.shape), deferred.dtype)
             del tensor
+            if on_write is not None:  # progress per tensor written, as checkpoint_file.save reports
+                on_write()
         whole = checkpoint_file.filled(state, saved)
 
         def shape(v):
@@ -486,11 +488,11 @@ def _patch_io(rundir) -> None:
 
     original_save, original_load = checkpoint_file.save, torch.load
 
-    def save(state, path, produce):
+    def save(state, path, produce, *args, **kwargs):
         ctx = context()
         if ctx is None:
-            return original_save(state, path, produce)
-        return ctx.job.disk.save_streamed(state, path, produce)
+            return original_save(state, path, produce, *args, **kwargs)
+        return ctx.job.disk.save_streamed(state, path, produce, *args, **kwargs)
 
     def load(f, *args, **kwargs):
         ctx = context()
@@ -501,9 +503,9 @@ def _patch_io(rundir) -> None:
     checkpoint = rundir.RunDir.save_checkpoint
 
     def save_checkpoint(self, step, state, produce=None, lora_layers=None, pipeline_class=None,
-                        lora_metadata=None):
+                        *args, **kwargs):
         return checkpoint(self, step, state, produce, lora_layers,
-                          _LoraFile if pipeline_class is not None else None, lora_metadata)
+                          _LoraFile if pipeline_class is not None else None, *args, **kwargs)
     rundir.RunDir.save_checkpoint = save_checkpoint
 
 
