@@ -86,7 +86,7 @@ def test_full_fine_tuning_under_fsdp_is_what_the_arithmetic_says_replayed_or_not
     assert rollout["peak_host_gib"] * GIB == pytest.approx(2 * n, rel=0.10), (
         rollout["peak_host_gib"], 2 * n / GIB)
     assert leader["traffic_bytes"]["publish sent"] == pytest.approx(3 * 2 * n, rel=0.01)
-    assert rollout["traffic_bytes"]["thread weight-mailbox received"] == pytest.approx(
+    assert rollout["traffic_bytes"]["receive weights received"] == pytest.approx(
         3 * 2 * n, rel=0.01)
     resumed = report["jobs"]["resume"]["ranks"]
     for r in ("1", "2"):  # the checkpoint's fp32 weights and moments loaded into the shards

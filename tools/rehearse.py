@@ -215,7 +215,7 @@ def _traffic(counter) -> dict:
     out: dict[str, int] = {}
     for (phase, plane, what), n in counter.items():
         out[f"{plane} {what}"] = out.get(f"{plane} {what}", 0) + n
-        if phase in ("publish", "send", "recv", "thread weight-mailbox"):
+        if phase in ("publish", "send", "recv", "receive weights"):
             out[f"{phase} {what}"] = out.get(f"{phase} {what}", 0) + n
     return dict(sorted(out.items()))
 
