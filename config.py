@@ -481,12 +481,17 @@ def resolve(cfg: Config, world: int | None = None) -> Config:
     if c.lora is None:
         c.lora = c.pretrained is not None or c.init_lora is not None
     preset = presets.for_run(c.model, c.pretrained is not None, c.algo, c.lora)
+    sample_batch_given = c.sample_batch_size is not None
     # a size given: square
     sized = {"frames"} | (set() if c.resolution or c.width else {"resolution", "width"})
     for name, setting in preset.values.items():  # what no flag set: the published (or tiny) setting
         if getattr(c, name) is None or (name in sized and getattr(c, name) == 0):
             setattr(c, name, setting.value)
     _resolve_flow_grpo(c)
+    call = c.fragment_groups * c.group_size  # trajectories per generation call
+    if not sample_batch_given and c.sample_batch_size and call > 0 and call % c.sample_batch_size:
+        # the published batch where it divides the fragment, else its largest divisor below it
+        c.sample_batch_size = max(d for d in range(1, c.sample_batch_size + 1) if call % d == 0)
     if c.lora and (c.lora_rank is None or c.lora_alpha is None):
         from models import lora
         rank, alpha = lora.default_rank_alpha(c.model, c.init_lora)
