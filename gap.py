@@ -5,8 +5,7 @@ Paper: DigenRL, "generation-axis pipeline" (docs/DESIGN.md sections 4-5). A batc
 samples is cut into fragments: contiguous ranges of whole groups. Ranks claim ranges from an atomic
 counter of trajectories in a torch.distributed store (compare-and-set): rollout ranks take
 `fragment_groups` groups at a time, so fast ranks take more, and an idle trainer can take a share
-(TAG, tag.py), part of a group too (then the next rollout claim is the rest of that group, and the
-trainers join the parts before training them: tag.whole_groups).
+(TAG, tag.py).
 A trajectory's prompt and noise seeds depend only on (seed, step, its global index in the batch), so
 a fragment yields the same trajectories whichever rank generates it and however the batch is cut.
 A finished fragment is announced in the store (sequence number -> producer, groups, destination),
@@ -32,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
 
 import torch
 
@@ -74,8 +74,8 @@ class Fragment:
     rewards: torch.Tensor  # [m] the combined reward
     reward_parts: torch.Tensor  # [m, n_rewards] each named reward (for metrics)
     advantages: torch.Tensor  # [m]
-    # > 0: a part of a group (TAG by trajectories): the first trajectory is member `offset` of
-    # first_group; such a part has no advantages until joined (tag.whole_groups)
+    # > 0: a part of a group (one trainer's share of a TAG claim, split by trajectories): the first
+    # trajectory is member `offset` of first_group; no advantages until the shares are joined
     offset: int = 0
     # False for a later part of a fragment split at a minibatch boundary
     opens_fragment: bool = True
@@ -137,15 +137,6 @@ def concat_fragments(parts: list[Fragment]) -> Fragment:
     return Fragment.from_parts(parts[0].ints(), joined)
 
 
-def rows_of(fragment: Fragment, lo: int, hi: int) -> Fragment:
-    """Trajectories [lo, hi) of the step's batch (inside the fragment's), as a fragment."""
-    g, start = fragment.group_size, fragment.first_sample
-    rows = slice(lo - start, hi - start)
-    ints = fragment.ints()
-    ints[1], ints[5] = lo // g, lo % g  # first_group, offset
-    return Fragment.from_parts(ints, {k: v[rows] for k, v in fragment.tensors().items()})
-
-
 # --- batch -> fragments ----------------------------------------------------------------------
 def fragment_spec(seed: int, step: int, first_group: int, num_groups: int, num_prompts_total: int,
                   groups_per_step: int, group_size: int,
@@ -197,26 +188,11 @@ class Announcement:
     destination: int
 
 
-class Claim(tuple):
-    """What a claim took: groups [first_group, first_group + num_groups) of its step, or only
-    trajectories `part` = (lo, hi) of them (indices within the range; None: all of it)."""
+class Claim(NamedTuple):
+    """What a claim took: groups [first_group, first_group + num_groups) of its step."""
 
-    def __new__(cls, first_group: int, num_groups: int, part: tuple[int, int] | None = None):
-        return super().__new__(cls, (first_group, num_groups) if part is None
-                               else (first_group, num_groups, part))
-
-    first_group = property(lambda self: self[0])
-    num_groups = property(lambda self: self[1])
-    part = property(lambda self: self[2] if len(self) > 2 else None)
-
-
-def claim_of(lo: int, hi: int, group_size: int) -> Claim:
-    """Trajectories [lo, hi) of a step as a Claim: whole groups, or the groups they touch and a
-    part."""
-    first, last = lo // group_size, -(-hi // group_size)
-    whole = lo % group_size == 0 and hi % group_size == 0
-    return Claim(first, last - first, None if whole else (lo - first * group_size,
-                                                          hi - first * group_size))
+    first_group: int
+    num_groups: int
 
 
 _NEVER = "\x00never"  # a value no claim writes
@@ -225,9 +201,9 @@ _NEVER = "\x00never"  # a value no claim writes
 class FragmentQueue:
     """Atomic claims of trajectory ranges and ordered completion announcements, per step.
 
-    The claim counter counts TRAJECTORIES, advanced by compare-and-set: a rollout rank's claim ends
-    on a group boundary (`claim`: whole groups, or the rest of a group TAG took part of), the TAG
-    leader's may end anywhere (`claim_samples`). Without part claims every claim is whole groups."""
+    The claim counter counts TRAJECTORIES (TAG's predictor reads it so), advanced by
+    compare-and-set; every claim is whole groups: a rollout rank's (`claim`) and the TAG leader's
+    (`claim_samples`)."""
 
     def __init__(self, store, groups_per_step: int, poll_s: float = 0.001, group_size: int = 1):
         self.store, self.groups_per_step, self.poll_s = store, groups_per_step, poll_s
@@ -237,15 +213,15 @@ class FragmentQueue:
         self._seen: dict[int, str] = {}  # step -> the counter's value this rank saw last
 
     def claim(self, step: int, num_groups: int) -> Claim | None:
-        """The next `num_groups` unclaimed groups of `step` (fewer at the end): a Claim, or None.
-        When TAG took the first part of a group, this claim is the rest of that group and the
-        groups after it, at most `num_groups` groups' trajectories."""
-        g = self.group_size
-        return self._advance(step, lambda lo: lo // g * g + num_groups * g)
+        """The next `num_groups` unclaimed groups of `step` (fewer at the end): a Claim, or None."""
+        return self._advance(step, lambda lo: lo + num_groups * self.group_size)
 
     def claim_samples(self, step: int, count: int) -> Claim | None:
-        """The next `count` unclaimed trajectories of `step` (fewer at the end), part of a group
-        maybe (TAG by trajectories)."""
+        """The next `count` unclaimed trajectories of `step` (fewer at the end): whole groups, so
+        `count` is a multiple of the group size (TAG's leader counts in trajectories)."""
+        if count % self.group_size:
+            raise ValueError(f"a claim of {count} trajectories is not whole groups of "
+                             f"{self.group_size}")
         return self._advance(step, lambda lo: lo + count)
 
     def _advance(self, step: int, end_of: Callable[[int], int]) -> Claim | None:
@@ -265,7 +241,7 @@ class FragmentQueue:
             if now == mine:
                 self._seen = {k: v for k, v in self._seen.items() if k >= step - 2}  # bounded
                 self._seen[step] = mine
-                return claim_of(lo, hi, self.group_size)
+                return Claim(lo // self.group_size, (hi - lo) // self.group_size)
             current = "" if now == current else now  # answered our guess: the key is not there
 
     def num_claimed_samples(self, step: int) -> int:
@@ -275,14 +251,12 @@ class FragmentQueue:
         return 0 if now == _NEVER else int(now.split()[0])
 
     def announce(self, step: int, first_group: int, num_groups: int, producer: int,
-                 destination_of: Callable[[int], int] | None = None,
-                 samples: int | None = None) -> tuple[int, int]:
-        """Publish 'these groups are done by `producer`' (`samples` trajectories of them, for a
-        part); returns (sequence number, destination rank)."""
+                 destination_of: Callable[[int], int] | None = None) -> tuple[int, int]:
+        """Publish 'these groups are done by `producer`'; returns (sequence number, destination
+        rank)."""
         seq = self.store.add(f"done/{step}", 1) - 1
         destination = destination_of(seq) if destination_of else -1
-        count = num_groups * self.group_size if samples is None else samples
-        self.store.add(f"done_samples/{step}", count)
+        self.store.add(f"done_samples/{step}", num_groups * self.group_size)
         self.store.set(f"done/{step}/{seq}", f"{producer},{first_group},{num_groups},{destination}")
         return seq, destination
 
@@ -361,8 +335,8 @@ def rollout_loop(*, rank: int, steps: range, queue: FragmentQueue, fragment_grou
                  send: Callable[[Fragment, int], None], destination_of: Callable[[int], int],
                  weights=None) -> None:
     """A rollout rank: per step, claim `fragment_groups` groups at a time until none are left;
-    generate each claim with generate(step, first_group, num_groups, version, part) (part: the
-    rest of a group TAG took part of, else None), announce it, send it to its destination (the
+    generate each claim with generate(step, first_group, num_groups, version), announce it, send
+    it to its destination (the
     next generation starts at once: `send` queues). `weights` (FixedWeights,
     tcss.RolloutWeights) says which version generates and when new weights come in: only ever
     between fragments."""
@@ -370,9 +344,9 @@ def rollout_loop(*, rank: int, steps: range, queue: FragmentQueue, fragment_grou
 
     def produce(step: int, claimed: Claim, ahead: bool = False) -> None:
         version = weights.version(step, ahead)
-        fragment = generate(step, claimed.first_group, claimed.num_groups, version, claimed.part)
+        fragment = generate(step, claimed.first_group, claimed.num_groups, version)
         _, dst = queue.announce(step, fragment.first_group, fragment.num_groups, rank,
-                                destination_of, samples=fragment.num_samples)
+                                destination_of)
         send(fragment, dst)
 
     def produce_ahead(step: int, claimed: Claim) -> None:
@@ -657,7 +631,7 @@ def _demo() -> None:
 
     def rollout(rank: int) -> None:
         rollout_loop(rank=rank, steps=range(1), queue=queue, fragment_groups=1,
-                     generate=lambda s, f, c, v, part: generate(s, f, c, v, rank),
+                     generate=lambda s, f, c, v: generate(s, f, c, v, rank),
                      send=lambda fragment, dst: mailbox.put(fragment), destination_of=lambda seq: 0)
 
     def train(fragment: Fragment) -> None:

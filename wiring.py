@@ -39,16 +39,15 @@ class Send:
 
 
 class TimedGenerate:
-    """generate(step, first, count, version, part) on a rollout rank (part: the rest of a group TAG
-    took part of), its time per group reported for TAG."""
+    """generate(step, first, count, version) on a rollout rank, its time per group reported for
+    TAG."""
 
     def __init__(self, generate: Callable[..., gap.Fragment], rank: int, times: tag.RolloutTimes):
         self.generate, self.rank, self.times = generate, rank, times
 
-    def __call__(self, step: int, first: int, count: int, version: int,
-                 part: tuple[int, int] | None = None) -> gap.Fragment:
+    def __call__(self, step: int, first: int, count: int, version: int) -> gap.Fragment:
         start = time.perf_counter()
-        fragment, = self.generate(step, [(first, count)], version, self.rank, part=part)
+        fragment, = self.generate(step, [(first, count)], version, self.rank)
         self.times.report(self.rank, time.perf_counter() - start,
                           fragment.num_samples / fragment.group_size)
         return fragment
@@ -88,8 +87,7 @@ class TrainerFragments:
             functools.partial(self.wait, step, decide), self.share_command,
             functools.partial(self.receive_seq, step), self.share_fragment,
             functools.partial(self.assist, step))
-        return tag.whole_groups(fragments, self.complete, gap.concat_fragments,
-                                gap.rows_of)  # TAG's part claims: parts joined into whole groups
+        return tag.with_advantages(fragments, self.complete)  # TAG's claims: advantages once joined
 
     def arrived(self, step: int, seq: int) -> bool:
         return self.queue.poll(step, seq) is not None
@@ -138,10 +136,10 @@ class TrainerFragments:
     def generate_part(self, step: int, lo: int, hi: int, calls: int = 0) -> gap.Fragment:
         """Trajectories [lo, hi) of the step: scored, no advantages yet (in at least `calls` forward
         batches: FSDP's lockstep)."""
-        first, count, *part = gap.claim_of(lo, hi, self.cfg.group_size)
         g = self.cfg.group_size
-        return self.generate(step, [(first, count)], self.version(), tag.TAG_PRODUCER,
-                             part=part[0] if part else (0, count * g), calls=calls)[0]
+        first, last = lo // g, -(-hi // g)  # the groups [lo, hi) touches, then its rows in them
+        return self.generate(step, [(first, last - first)], self.version(), tag.TAG_PRODUCER,
+                             part=(lo - first * g, hi - first * g), calls=calls)[0]
 
     def complete(self, fragment: gap.Fragment) -> gap.Fragment:
         """Joined whole groups with their group advantages (they need the whole group)."""
@@ -157,8 +155,7 @@ def assistant(cfg, groups: comm.Groups, queue: gap.FragmentQueue, job) -> tag.As
                          quantum=1, claim=queue.claim_samples,  # split by trajectories: fits FSDP
                          claimed=queue.num_claimed_samples, announced=queue.num_announced_samples,
                          rollout_gen_s=times.per_fragment_s, steps=cfg.steps,
-                         group_size=cfg.group_size,  # the predictor costs the split by trajectories
-                         part_groups=cfg.tag_part_groups)  # claims of part of a group
+                         group_size=cfg.group_size)  # the predictor costs the split by trajectories
 
 
 def publish(groups: comm.Groups, dtype, tensors, count: int, version: int) -> None:

@@ -23,6 +23,9 @@ atomic `add`), and plain callables stand in for the ranks. Each test names the b
 
 Run: python -m pytest -q tests/test_protocol.py
 """
+import datetime
+import random
+import threading
 import types
 from dataclasses import asdict
 
@@ -181,6 +184,48 @@ def test_claims_are_contiguous_group_ranges_cut_at_the_batch_end():
     assert queue.poll(1, 0) == gap.Announcement(4, 0, 2, 10) and queue.poll(1, 1) is None
     queue.forget(1)
     assert queue.claim(1, 2) == (0, 2)  # forgotten: the step starts from scratch
+    queue = gap.FragmentQueue(dist.HashStore(), groups_per_step=4, group_size=3)  # the counter counts trajectories
+    assert queue.claim(0, 1) == (0, 1) and queue.claim_samples(0, 6) == (1, 2) and queue.num_claimed_samples(0) == 9
+    with pytest.raises(ValueError, match="not whole groups of 3"):
+        queue.claim_samples(0, 4)  # TAG claims whole groups only
+    assert queue.claim(0, 2) == (3, 1) and queue.claim(0, 1) is None and queue.claim_samples(0, 3) is None
+
+
+def test_claims_racing_on_a_real_tcpstore_never_overlap_and_cover_the_batch():
+    """Six claimers (five rollout ranks, one TAG leader) on their own TCPStore clients race for 20 steps: every
+    trajectory is claimed exactly once, in whole groups. Catches claims that read the counter and write it back
+    non-atomically (an add after a get, a compare-and-set whose value two claimers can both write).
+    (Moved from tests/test_part_claims.py when claims of part of a group were removed.)"""
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
+    groups, g, steps = 40, 3, 20
+    taken, errors = [], []
+
+    def claimer(kind: int) -> None:
+        store = dist.TCPStore("127.0.0.1", server.port, 1, False, timeout=datetime.timedelta(seconds=30))
+        queue = gap.FragmentQueue(dist.PrefixStore("queue", store), groups, group_size=g)
+        rng = random.Random(kind)
+        try:
+            for step in range(steps):
+                while True:
+                    claim = queue.claim_samples(step, g * rng.randint(1, 3)) if kind == 0 else queue.claim(step, 2)
+                    if claim is None:
+                        break
+                    if kind and claim.num_groups > 2:
+                        errors.append(f"rollout claim {claim} holds more than its fragment")
+                    taken.append((step, claim.first_group * g, (claim.first_group + claim.num_groups) * g))
+        except Exception as error:  # noqa: BLE001  (reported to the main thread)
+            errors.append(repr(error))
+
+    threads = [threading.Thread(target=claimer, args=(k,), daemon=True) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)  # about 0.2 s here; a claim that never succeeds spins (daemon: the test ends)
+    assert not any(t.is_alive() for t in threads), "a claimer is stuck (a claim that can never succeed)"
+    assert not errors, errors
+    for step in range(steps):
+        covered = sorted(t for s, lo, hi in taken if s == step for t in range(lo, hi))
+        assert covered == list(range(groups * g)), f"step {step}: trajectories claimed twice or never"
 
 
 def test_any_cut_of_the_batch_gives_the_same_trajectories():
@@ -321,17 +366,34 @@ def test_assisted_generation_generates_each_claimed_trajectory_once_at_its_globa
 
 
 # --- TAG's leader on scripted times -------------------------------------------------------------------
+def test_a_joined_tag_claim_gets_its_group_advantages_and_a_rollout_fragment_passes_as_it_is():
+    """tag.with_advantages on the trainers: catches a TAG claim trained without advantages (NaN in the loss) and a
+    rollout fragment's advantages recomputed (or replaced). (The whole-fragment half of tests/test_part_claims.py's
+    test_whole_fragments_pass_as_they_are_and_a_group_of_two_versions_is_refused, kept.)"""
+    rollout_fragment = _numbered_fragment(0, 2, 3)
+    joined = _numbered_fragment(2, 1, 3)
+    joined.advantages = joined.advantages * float("nan")  # generated in shares: no advantages yet
+
+    def complete(fragment):
+        r = fragment.rewards.reshape(-1, 3)  # groups of 3
+        fragment.advantages = (r - r.mean(1, keepdim=True)).reshape(-1)
+        return fragment
+
+    out = list(tag.with_advantages([rollout_fragment, joined], complete))
+    assert out[0] is rollout_fragment and out[1].advantages.tolist() == [-1.0, 0.0, 1.0]
+
+
 def test_the_assistant_hands_the_predictor_the_queues_counts_and_scripted_times(monkeypatch):
     counts = {"claimed": 0, "announced": 0}
     claims = []
 
-    G = 3  # the queue counts trajectories; the predictor decides in groups (or, part_groups, trajectories)
+    G = 3  # the queue counts trajectories; the predictor decides in groups
 
     def claim(step, n):
         first = counts["claimed"]
         counts["claimed"] += n
         claims.append((step, first, n))
-        return gap.claim_of(first, first + n, G)
+        return gap.Claim(first // G, n // G)
 
     rollout_gen = {"s": None}
     assistant = tag.Assistant(groups_per_step=8, fragment_groups=2, rollout_ranks=1, trainers=2, quantum=2,
@@ -362,15 +424,7 @@ def test_the_assistant_hands_the_predictor_the_queues_counts_and_scripted_times(
     assert asdict(seen[-1]) == pytest.approx(asdict(tag.StepState(
         unclaimed=2, in_flight=0, waiting=2, rollout_ranks=1, gen_rollout_s=1.0, gen_trainer_s=0.6, train_s=0.02,
         fragment_groups=2, trainers=2, quantum=2, group_size=G)))
-    # with part claims, inside a step the predictor counts trajectories: the same state, per trajectory
-    assistant.part_groups = True
-    counts.update(claimed=6 * G + 1)  # TAG's part claim took the first member of group 6
-    assistant.consider(3, 4 * G)
-    assert asdict(seen[-1]) == pytest.approx(asdict(tag.StepState(
-        unclaimed=2 * G - 1, in_flight=0, waiting=2 * G, rollout_ranks=1, gen_rollout_s=1.0,
-        gen_trainer_s=0.6 / G, train_s=0.02 / G, fragment_groups=2 * G, trainers=2, quantum=2, group_size=0)))
-    assert claims[-1] == (3, 6 * G + 1, 2) and assistant.pending[3][-1] == (6 * G + 1, 6 * G + 3)
-    # at a step boundary never part of a group (a rollout rank may still generate ahead with the old version)
+    # at a step boundary as inside: whole groups
     assistant.consider(4, 0, before_publish=True)
     assert seen[-1].group_size == G and claims[-1][2] == 2 * G
 
