@@ -312,7 +312,7 @@ def pair_weights(mask: torch.Tensor, num_pairs: int) -> torch.Tensor:
 # --- the rollout side: claim, generate, announce, send --------------------------------------------
 class FixedWeights:
     """The rollout side's weights when nothing publishes new ones (one process, the demo): always
-    version `step`. tcss.RolloutWeights is the real one (a mailbox, swaps between fragments,
+    version `step`. async_policy.RolloutWeights is the real one (a mailbox, swaps between fragments,
     generate-ahead)."""
 
     def wait_for(self, step: int) -> None:
@@ -338,8 +338,8 @@ def rollout_loop(*, rank: int, steps: range, queue: FragmentQueue, fragment_grou
     generate each claim with generate(step, first_group, num_groups, version), announce it, send
     it to its destination (the
     next generation starts at once: `send` queues). `weights` (FixedWeights,
-    tcss.RolloutWeights) says which version generates and when new weights come in: only ever
-    between fragments."""
+    async_policy.RolloutWeights) says which version generates and when new weights come in: only
+    ever between fragments."""
     weights = weights if weights is not None else FixedWeights()
 
     def produce(step: int, claimed: Claim, ahead: bool = False) -> None:

@@ -8,9 +8,8 @@
 Started as one process it spawns --nproc ranks (infra/launch.py watches them); under torchrun each
 process is a rank. `run_rank` is one rank, top to bottom: the job (infra/runtime.py), the groups
 (comm.py), the policy, then its loop, each mechanism plugged in on one line: GAP (gap.rollout_loop,
-gap.trainer_loop), TSP (tsp.PackStream / tsp.trainer_packs, tsp.lockstep_fragments: wiring.py), TAG
-(tag.Assistant, TSP's strategy), TCSS (tcss.RolloutWeights, tcss.Publisher); colocated.py is the
-baseline; transport.py carries their data, wiring.py wraps it in spans; config.py: every option."""
+gap.trainer_loop), TSP (tsp.*: wiring.py), TAG (tag.Assistant), TCSS (async_policy.py); the
+baseline colocated.py; transport.py carries data, wiring.py wraps it in spans."""
 from __future__ import annotations
 
 import dataclasses
@@ -30,7 +29,7 @@ import models
 import rewards
 import rollout
 import tag
-import tcss
+import async_policy
 import transport
 import wiring
 from infra import bookkeeping, cli, emulate, rundir, runtime
@@ -135,9 +134,10 @@ def rollout_rank(r: Rank) -> None:
     sender = transport.FragmentSender(wiring.Send(r.tracer, groups.world_data))
     receive = transport.WeightReceiver(groups.leader, groups.publish,  # one reused copy on the host
                                        [(p.shape, p.dtype) for p in params])
-    budget = tcss.StaleBudget(r.job.prefixed("stale"), cfg.max_stale_fragments)
-    weights = tcss.RolloutWeights(tcss.Mailbox(receive), params, budget if cfg.use_tcss else None,
-                                  sender.raise_if_failed, r.tracer, groups.rank == 0)  # TCSS
+    budget = async_policy.StaleBudget(r.job.prefixed("stale"), cfg.max_stale_fragments)
+    weights = async_policy.RolloutWeights(  # TCSS
+        async_policy.Mailbox(receive), params, budget if cfg.use_tcss else None,
+        sender.raise_if_failed, r.tracer, groups.rank == 0)
     times = tag.RolloutTimes(r.job.prefixed("timing"), groups.rollout_ranks, cfg.fragment_groups)
     generate = wiring.TimedGenerate(r.generate, groups.rank, times)  # TAG's predictor reads times
     r.job.progress.start()
@@ -162,9 +162,9 @@ def trainer_rank(r: Rank):
     books.evaluate_initial()
     assistant = wiring.assistant(cfg, groups, r.queue, r.job) if cfg.tag and leader else None  # TAG
     send = functools.partial(wiring.publish, groups, None if cfg.lora else r.policy.dtype)
-    publisher = tcss.Publisher(trainer.iter_full_weights, len(trainer.params), send, sends=leader,
-                               gathers=cfg.fsdp, tracer=r.tracer,
-                               on_published=assistant.published if assistant else None)  # TCSS
+    publisher = async_policy.Publisher(  # TCSS
+        trainer.iter_full_weights, len(trainer.params), send, sends=leader, gathers=cfg.fsdp,
+        tracer=r.tracer, on_published=assistant.published if assistant else None)
     t_train = rollout.num_train_timesteps(r.sampling)
     bounds = gap.minibatch_bounds(cfg.prompts_per_step, cfg.updates_per_batch)  # M updates a step
     train, flush, count = wiring.fragment_training(cfg, groups, trainer, bounds, t_train,  # TSP

@@ -7,7 +7,7 @@ idle trainer under TAG, so every producer makes the same trajectories from the s
 It is `generate_trajectories` (sample, decode, score) then `with_advantages` (per group): under TAG
 several trainers generate parts of one group (`part_spec`); advantages wait for the joined parts.
 The rollout rank's loop (claim, generate, announce, send) is gap.rollout_loop; which weights
-generate and when new ones come in is tcss.RolloutWeights (main.py plugs both in).
+generate and when new ones come in is async_policy.RolloutWeights (main.py plugs both in).
 """
 from __future__ import annotations
 

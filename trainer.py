@@ -4,8 +4,8 @@ AdamW, one step per batch; checkpoints; FSDP2 sharding.
 Every pair carries weight 1/(N T_train) (gap.pair_weights, docs/DESIGN.md section 3), so whichever
 rank trains whichever pair, in whatever packing and order, the summed gradient is the full-batch
 mean's gradient; a stale pair's PPO ratio is against its recorded log-prob
-(tcss.behaviour_log_prob). Which fragments reach this rank and which of their pairs it trains is
-decided by the mechanisms main.py plugs in (gap.trainer_loop, tsp.lockstep_fragments /
+(async_policy.behaviour_log_prob). Which fragments reach this rank and which of their pairs it
+trains is decided by the mechanisms main.py plugs in (gap.trainer_loop, tsp.lockstep_fragments /
 gap.dealt_fragments, tag.Assistant); this file trains. Gradients are summed on the compute plane
 (comm.py: device tensors, main thread); metrics go over the trainers' data group (gloo, CPU).
 """
@@ -27,7 +27,7 @@ import gap
 import grpo
 import models
 import tag
-import tcss
+import async_policy
 from infra import checkpoint_file
 from infra.checkpoint_file import Deferred
 from rollout import step_fn
@@ -241,7 +241,7 @@ class Trainer:
     def pair_loss(self, batch, weights: torch.Tensor, recorded: torch.Tensor | bool):
         """Loss of packed pairs (per-sample timesteps in one forward), weighted; returns (loss,
         stats, logp). `recorded` [p]: which pairs' ratio is against the rollout's log-prob
-        (tcss.behaviour_log_prob)."""
+        (async_policy.behaviour_log_prob)."""
         policy = self.policy
         # [p, ...]
         v = policy.velocity(batch["latents"], batch["sigma"], batch["cond"], cfg=self.cfg.train_cfg,
@@ -249,7 +249,7 @@ class Trainer:
         _, logp, mean, std = self.step_fn(v, batch["latents"], batch["sigma"], batch["sigma_next"],
                                           self.cfg.noise_level, prev_sample=batch["next_latents"])
         # TCSS's stale-pair rule
-        old = tcss.behaviour_log_prob(logp, batch["old_log_prob"], recorded)
+        old = async_policy.behaviour_log_prob(logp, batch["old_log_prob"], recorded)
         adv = batch["advantages"].to(logp.device)
         loss, stats = grpo.policy_loss(logp, old, adv, self.cfg.clip_range, weights)
         if self.cfg.beta > 0:
@@ -272,7 +272,8 @@ class Trainer:
         j > 0, Flow-GRPO's off-policy inner updates), and, with old_log_prob "rollout" (Flow-GRPO's
         train_*.py: every ratio is exp(log_prob - sample["log_probs"])), when fresh too; with
         "fresh" a fresh pair is scored against its own detached log-prob (ratio exactly 1)."""
-        stale = tcss.check_staleness(self.version, fragment.policy_version, tcss_on=True) == 1
+        stale = async_policy.check_staleness(self.version, fragment.policy_version,
+                                             tcss_on=True) == 1
         return "stale" if stale else ("later" if self.updates_in_step else "fresh")
 
     def accumulate(self, fragment, packs, masks, total_pairs: int) -> None:
@@ -315,7 +316,7 @@ class Trainer:
             m.add(k, stats[k] * real)
         m.low("ratio_min", stats["ratio_min"])
         m.high("ratio_max", stats["ratio_max"])
-        old = tcss.behaviour_log_prob(logp, batch["old_log_prob"], recorded)
+        old = async_policy.behaviour_log_prob(logp, batch["old_log_prob"], recorded)
         for kind in sorted(set(kinds)):
             of_kind = weights * torch.tensor([k == kind for k in kinds], device=dev)  # [p]
             count = float((of_kind > 0).sum())
@@ -541,7 +542,8 @@ def train_fragment(trainer: Trainer, fragment: gap.Fragment, *, pairs_of: Callab
     can fill now, the rest at flush_packs. `count` on exactly one trainer per fragment (its rewards
     enter the metrics once). `tracer` (a "train" span) and `pace` (infra/emulate.py's benchmark
     emulation) hook in from outside."""
-    tcss.check_staleness(trainer.version, fragment.policy_version, tcss_on)  # the TCSS bound
+    # the TCSS bound
+    async_policy.check_staleness(trainer.version, fragment.policy_version, tcss_on)
     if count and not fragment.minibatch_samples:  # sample minibatches: counted whole (gap)
         trainer.count_fragment(fragment, reward_names)
     moved = fragment.to(trainer.policy.device)

@@ -1,5 +1,5 @@
 """transport.py: a gap.Fragment round-trips through send/recv and broadcast bit-exactly; concurrent claims are
-unique. transport.py's bucketed publishing into tcss.Mailbox, in the same three processes: published weights reach the rollout's model (Mailbox.swap_into),
+unique. transport.py's bucketed publishing into async_policy.Mailbox, in the same three processes: published weights reach the rollout's model (Mailbox.swap_into),
 in the rollout's dtype, newest version first (catches a mailbox that reports a version it never copied in)."""
 import pytest
 import torch
@@ -9,7 +9,7 @@ import torch.distributed as dist
 import dist_harness
 import colocated
 import gap
-import tcss
+import async_policy
 import transport
 
 pytestmark = pytest.mark.timeout(120)
@@ -59,11 +59,11 @@ def _worker(rank, world, store):
             transport.publish_weights(iter(published[version]), 4, version, src=2, group=dist.group.WORLD,
                                       dtypes=[torch.float32, torch.bfloat16, torch.float32, torch.float32],
                                       bucket_bytes=20)
-        transport.publish_weights([], 0, tcss.STOP, src=2, group=dist.group.WORLD)
+        transport.publish_weights([], 0, async_policy.STOP, src=2, group=dist.group.WORLD)
     else:
         params = [torch.zeros(3), torch.zeros(2, 2, dtype=torch.bfloat16), torch.zeros(10), torch.zeros(())]
         shapes = [(p.shape, p.dtype) for p in params]
-        mailbox = tcss.Mailbox(transport.WeightReceiver(2, dist.group.WORLD, shapes, 20))
+        mailbox = async_policy.Mailbox(transport.WeightReceiver(2, dist.group.WORLD, shapes, 20))
         mailbox.wait_for(2)
         assert mailbox.swap_into(params) == 2 == mailbox.held_version
         mailbox.join()

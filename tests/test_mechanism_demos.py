@@ -1,4 +1,4 @@
-"""Each mechanism file runs alone: copied into an empty folder, `python gap.py` (tsp.py, tag.py, tcss.py) runs
+"""Each mechanism file runs alone: copied into an empty folder, `python gap.py` (tsp.py, tag.py, async_policy.py) runs
 a single-process demonstration on fake ranks and prints what a reader should see. Catches a mechanism file that
 needs another project file to show itself working (its loop or rule living elsewhere), and a demo whose
 mechanism no longer does what it prints (the equality lines compare the mechanism with its naive reference)."""
@@ -32,7 +32,7 @@ EXPECTED = {
                "piece: True",
                "it declines: claim 0"],
     # TCSS: a fragment generated ahead with the old version, its ratio, the one-step bound
-    "tcss.py": ["generated AHEAD with weights version 0", "stale budget j = 1 spent after 1 fragment(s)",
+    "async_policy.py": ["generated AHEAD with weights version 0", "stale budget j = 1 spent after 1 fragment(s)",
                 "is stale by 1; PPO ratio", "a fragment two versions old is refused"],
 }
 

@@ -3,7 +3,7 @@
 No process group and no model: a torch.distributed HashStore stands in for the job's TCPStore (the same
 atomic `add`), and plain callables stand in for the ranks. Each test names the bug it catches:
 - the staleness bound (TCSS): a fragment two versions old is refused, with TCSS on or off, by
-  tcss.check_staleness, by Trainer.accumulate and by train_fragment (catches a bound relaxed to 2);
+  async_policy.check_staleness, by Trainer.accumulate and by train_fragment (catches a bound relaxed to 2);
 - the stale budget j is per step and never exceeded; generate_ahead stops at the budget, when the new
   weights arrive and after the last step (catches a budget ignored, generating ahead past new weights);
 - FragmentQueue claims contiguous group ranges, the last one cut at the batch end (catches an off-by-one
@@ -33,7 +33,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import tcss
+import async_policy
 import gap
 import tag
 import tsp
@@ -44,12 +44,12 @@ pytestmark = pytest.mark.timeout(60)
 
 # --- TCSS: the staleness bound ------------------------------------------------------------------------
 def test_check_staleness_allows_0_or_1_with_tcss_and_only_0_without():
-    assert tcss.check_staleness(5, 5, tcss_on=False) == 0
-    assert tcss.check_staleness(5, 5, tcss_on=True) == 0
-    assert tcss.check_staleness(5, 4, tcss_on=True) == 1
+    assert async_policy.check_staleness(5, 5, tcss_on=False) == 0
+    assert async_policy.check_staleness(5, 5, tcss_on=True) == 0
+    assert async_policy.check_staleness(5, 4, tcss_on=True) == 1
     for trainer_version, fragment_version, tcss_on in [(5, 4, False), (5, 3, True), (5, 3, False), (4, 5, True)]:
         with pytest.raises(AssertionError, match="staleness"):
-            tcss.check_staleness(trainer_version, fragment_version, tcss_on)
+            async_policy.check_staleness(trainer_version, fragment_version, tcss_on)
 
 
 class OneWeightPolicy:
@@ -135,12 +135,12 @@ def test_a_non_finite_step_is_skipped_and_too_many_in_a_row_abort():
 
 # --- TCSS: the stale budget and generate-ahead ---------------------------------------------------------
 def test_the_stale_budget_is_j_per_step():
-    budget = tcss.StaleBudget(dist.HashStore(), max_stale=2)
+    budget = async_policy.StaleBudget(dist.HashStore(), max_stale=2)
     assert [budget.take(1) for _ in range(4)] == [True, True, False, False]
     assert [budget.take(2) for _ in range(3)] == [True, True, False]  # a new step has its own j
     budget.forget(1)
     assert budget.take(1)  # the key was deleted (the store must not grow per step)
-    none = tcss.StaleBudget(dist.HashStore(), max_stale=0)
+    none = async_policy.StaleBudget(dist.HashStore(), max_stale=0)
     assert not any(none.take(1) for _ in range(3))
 
 
@@ -157,20 +157,20 @@ def _ahead(step, last_step, versions, budget, unclaimed=10):
         left[0] -= 1
         return (10 - left[0] - 1, 1)
 
-    count = tcss.generate_ahead(step, last_step, latest_version, budget.take, claim,
+    count = async_policy.generate_ahead(step, last_step, latest_version, budget.take, claim,
                                         lambda s, c: made.append((s, c)))
     assert count == len(made)
     return made
 
 
 def test_generate_ahead_stops_at_the_budget_at_new_weights_and_after_the_last_step():
-    made = _ahead(3, 10, [3], tcss.StaleBudget(dist.HashStore(), 2))
+    made = _ahead(3, 10, [3], async_policy.StaleBudget(dist.HashStore(), 2))
     assert made == [(4, (0, 1)), (4, (1, 1))]  # batch step + 1, never more than j fragments
-    made = _ahead(3, 10, [3, 4], tcss.StaleBudget(dist.HashStore(), 5))
+    made = _ahead(3, 10, [3, 4], async_policy.StaleBudget(dist.HashStore(), 5))
     assert made == [(4, (0, 1))]  # version 4 arrived after one fragment: the rest is generated fresh
-    assert _ahead(3, 10, [4], tcss.StaleBudget(dist.HashStore(), 5)) == []
-    assert _ahead(10, 10, [10], tcss.StaleBudget(dist.HashStore(), 5)) == []  # no step 11
-    assert len(_ahead(3, 10, [3], tcss.StaleBudget(dist.HashStore(), 5), unclaimed=1)) == 1
+    assert _ahead(3, 10, [4], async_policy.StaleBudget(dist.HashStore(), 5)) == []
+    assert _ahead(10, 10, [10], async_policy.StaleBudget(dist.HashStore(), 5)) == []  # no step 11
+    assert len(_ahead(3, 10, [3], async_policy.StaleBudget(dist.HashStore(), 5), unclaimed=1)) == 1
 
 
 # --- GAP: claims, specs, fragments, consumption ---------------------------------------------------------
