@@ -5,7 +5,7 @@ Every pair carries weight 1/(N T_train) (gap.pair_weights, docs/DESIGN.md sectio
 rank trains whichever pair, in whatever packing and order, the summed gradient is the full-batch
 mean's gradient; a stale pair's PPO ratio is against its recorded log-prob
 (async_policy.behaviour_log_prob). Which fragments reach this rank and which of their pairs it
-trains is decided by the mechanisms main.py plugs in (gap.trainer_loop, tsp.lockstep_fragments /
+trains is decided by the mechanisms main.py plugs in (trainer_loop below, tsp.lockstep_fragments /
 gap.dealt_fragments, tag.Assistant); this file trains. Gradients are summed on the compute plane
 (comm.py: device tensors, main thread); metrics go over the trainers' data group (gloo, CPU).
 """
@@ -28,6 +28,7 @@ import grpo
 import models
 import tag
 import async_policy
+from gap import Announcement, Fragment
 from infra import checkpoint_file
 from infra.checkpoint_file import Deferred
 from rollout import step_fn
@@ -625,3 +626,75 @@ def shard_for_fsdp(policy, compute_group, keep_reference: bool) -> None:
             module.set_gradient_divide_factor(1.0)
             # plain SUM collectives: gloo has no PREMUL_SUM
             module.set_force_sum_reduction_for_comms(True)
+
+
+# --- the trainer rank's step: fragments in, M updates, publish (gap.py streams them in) ----------
+def nothing(*args) -> None:
+    """A hook that does nothing."""
+
+
+@dataclasses.dataclass
+class TrainerSide:
+    """What a trainer rank does, filled in by main.py: which fragments it trains in a step (dealt,
+    or TSP's lockstep), how it trains one, the updates (several per batch: `bounds`), publishing
+    (TCSS), the end of a step. A version is one RL step: published once per step, whatever the
+    number of updates."""
+
+    fragments_of: Callable[[int], Iterable[Fragment | Announcement]]
+    train: Callable[[Fragment], None]
+    optimizer_step: Callable[[int], dict]  # the step's last update, then its metrics
+    version: Callable[[], int]
+    publish: Callable[[int], None]
+    end_step: Callable[[int, dict], None]
+    before_publish: Callable[[int], object] = nothing  # TAG: claim a share of the next batch
+    # an update inside the step (minibatch j < M - 1 done)
+    update: Callable[[int], object] = nothing
+    bounds: list[tuple[int, int]] | None = None  # grpo.minibatch_bounds; None: one update
+    # before every update: train what is still open (TSP's packs)
+    flush: Callable[[], object] = nothing
+    # Batch-level advantages (batch_rewards.py): when set, a step's fragments are first all
+    # collected (every group of the step is then produced, TAG's included), restated, then trained.
+    restate: Callable[[int, list[Fragment]], list[Fragment]] | None = None
+    # Flow-GRPO's sample minibatches (--minibatches samples): minibatches(step) -> M lists of the
+    # step's sample indices (grpo.sample_minibatches); the step's fragments are collected, then
+    # trained by grpo.train_by_samples, each whole fragment counted by `count`. None: whole-group
+    # minibatches.
+    minibatches: Callable[[int], list[list[int]]] | None = None
+    count: Callable[[Fragment], None] = nothing
+
+    def train_step(self, step: int, items: Iterable[Fragment | Announcement]) -> dict:
+        """One RL step's training: M minibatches, an update after each (open packs flushed
+        first)."""
+        if self.restate is not None or self.minibatches is not None:  # the whole batch first
+            items = list(items)
+        if self.restate is not None:  # the whole batch's rewards: no streaming this step
+            mine = self.restate(step, [f for f in items if isinstance(f, Fragment)])
+            items = [*mine, *(a for a in items if not isinstance(a, Fragment))]
+
+        def update(j: int) -> None:
+            self.flush()
+            self.update(step)
+        if self.minibatches is not None:
+            grpo.train_by_samples([f for f in items if isinstance(f, Fragment)],
+                                  self.minibatches(step), self.train, update, self.count)
+        elif self.bounds is None:
+            for fragment in (f for f in items if isinstance(f, Fragment)):
+                self.train(fragment)
+        else:
+            grpo.train_in_minibatches(items, self.bounds, self.train, update)
+        self.flush()
+        return self.optimizer_step(step)
+
+
+def trainer_loop(side: TrainerSide, steps: range, streaming: bool) -> None:
+    """A trainer rank: per step, train the fragments as they arrive (GAP) or after the whole batch,
+    one update per minibatch, publish the new weights, then log/evaluate/checkpoint (after
+    publishing, so the rollout ranks are not kept waiting)."""
+    # version 0, or the resumed one: rollout ranks take their first weights
+    side.publish(side.version())
+    for step in steps:
+        items = side.fragments_of(step)
+        metrics = side.train_step(step, items if streaming else list(items))
+        side.before_publish(step)
+        side.publish(side.version())
+        side.end_step(step, metrics)

@@ -6,7 +6,7 @@ fragments per step.
     send = Send(tracer, group)
     # reports seconds per group to tag.RolloutTimes
     generate = TimedGenerate(generate_fragment, rank, times)
-    # gap.TrainerSide.fragments_of: dealt or TSP
+    # TrainerSide.fragments_of: dealt or TSP
     fragments = TrainerFragments(...)
 
 None of these decide anything: the decisions are the mechanisms' (gap, tsp, tag, tcss).
@@ -19,12 +19,13 @@ from collections.abc import Callable, Iterable
 
 import comm
 import gap
+import grpo
 import rollout
 import tag
 import transport
 import tsp
 from infra.progress import Progress
-from trainer import Trainer, flush_packs, train_fragment
+from trainer import Trainer, flush_packs, nothing, train_fragment
 
 
 class Send:
@@ -166,7 +167,7 @@ def publish(groups: comm.Groups, dtype, tensors, count: int, version: int) -> No
 
 
 def minibatch_plan(cfg, batch) -> Callable[[int], list[list[int]]] | None:
-    """gap.TrainerSide's `minibatches` with --minibatches samples (Flow-GRPO's): the step's samples
+    """TrainerSide's `minibatches` with --minibatches samples (Flow-GRPO's): the step's samples
     permuted and cut into M, zero advantages dropped with --drop-zero-advantage (the batch's
     advantages: batch_rewards.BatchRewards); None for minibatches of whole groups."""
     if cfg.minibatches != "samples":
@@ -175,31 +176,31 @@ def minibatch_plan(cfg, batch) -> Callable[[int], list[list[int]]] | None:
 
     def plan(step: int) -> list[list[int]]:
         keep = batch.batch_advantages(step, []) != 0 if cfg.drop_zero_advantage else None
-        return gap.sample_minibatches(total, cfg.updates_per_batch,
-                                      gap.minibatch_seed(cfg.seed, step), keep)
+        return grpo.sample_minibatches(total, cfg.updates_per_batch,
+                                       grpo.minibatch_seed(cfg.seed, step), keep)
     return plan
 
 
 def fragment_training(cfg, groups: comm.Groups, trainer: Trainer, bounds: list[tuple[int, int]],
                       t_train: int, reward_names: list[str], tracer, pace,
                       on_trained) -> tuple[Callable, Callable, Callable]:
-    """gap.TrainerSide's `train`, `flush` and `count`: TSP's share of each fragment
+    """TrainerSide's `train`, `flush` and `count`: TSP's share of each fragment
     (tsp.trainer_packs; with --tsp-span its packs span fragments, tsp.PackStream, padded at flush),
     else the whole fragment per timestep; each pair weighs 1/(N_j T_train), its minibatch's mean
-    (gap.minibatch_pairs); `count` a whole fragment's rewards into the metrics (sample
+    (grpo.minibatch_pairs); `count` a whole fragment's rewards into the metrics (sample
     minibatches), on one trainer per fragment."""
     pairs_of = functools.partial(tsp.trainer_packs, rank=groups.trainer_index, pack=cfg.tsp_pack,
                                  world=groups.num_trainers, spread=cfg.tsp)
     stream = tsp.PackStream(groups.trainer_index, groups.num_trainers, cfg.tsp_pack) \
         if cfg.tsp and cfg.tsp_span else None
-    denominators = functools.partial(gap.minibatch_pairs, bounds, cfg.group_size, t_train)
+    denominators = functools.partial(grpo.minibatch_pairs, bounds, cfg.group_size, t_train)
     counts = groups.is_leader or not cfg.tsp
     count = functools.partial(trainer.count_fragment, reward_names=reward_names) if counts else \
-        gap.nothing
+        nothing
     train = functools.partial(train_fragment, trainer, pairs_of=pairs_of,
                               count=counts, total_pairs=denominators,
                               tcss_on=cfg.use_tcss, reward_names=reward_names, tracer=tracer,
                               pace=pace, on_trained=on_trained, stream=stream)
     if stream is None:
-        return train, gap.nothing, count
+        return train, nothing, count
     return train, functools.partial(flush_packs, trainer, stream, denominators, tracer, pace), count

@@ -9,6 +9,7 @@ import torch.distributed as dist
 import dist_harness
 import colocated
 import gap
+import grpo
 import async_policy
 import transport
 
@@ -120,7 +121,7 @@ def test_every_colocated_rank_trains_in_every_update(groups, fragment_groups, up
     has at least `world` groups (with fragments r, r + P, ... of the whole batch, B = 4 in fragments
     of 2 at M = 2 put each minibatch on one rank: the other idled through half the training). Its
     generation calls (colocated.generation_batches) hold fragment_groups groups each, the last maybe fewer."""
-    bounds = gap.minibatch_bounds(groups, updates)
+    bounds = grpo.minibatch_bounds(groups, updates)
     shares = [colocated.static_claims(bounds, rank, world, 0) for rank in range(world)]
     covered = sorted(g for share in shares for first, count in share for g in range(first, first + count))
     assert covered == list(range(groups))
@@ -139,7 +140,7 @@ def test_every_colocated_rank_trains_in_every_update(groups, fragment_groups, up
 def test_generation_batches_and_split_rows_by_hand():
     """B = 4, M = 2, P = 2: rank 0 holds groups 0 and 2, one call of 2 groups (8 samples at G = 4, as one
     Flow-GRPO sampling batch), cut back into the fragments of groups [0, 1) and [2, 3)."""
-    assert colocated.static_claims(gap.minibatch_bounds(4, 2), 0, 2, 0) == [(0, 1), (2, 1)]
+    assert colocated.static_claims(grpo.minibatch_bounds(4, 2), 0, 2, 0) == [(0, 1), (2, 1)]
     assert colocated.generation_batches([(0, 1), (2, 1)], 2) == [[(0, 1), (2, 1)]]
     assert colocated.generation_batches([(0, 3), (6, 3)], 2) == [[(0, 2)], [(2, 1), (6, 1)], [(7, 2)]]
     spec = gap.fragment_spec(0, 0, 0, 4, 10, 4, 2)

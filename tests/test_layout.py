@@ -151,7 +151,7 @@ MAX_COLUMNS = 100
 WRAPPED = ["main.py", "config.py", "gap.py", "tsp.py", "tag.py", "async_policy.py", "rollout.py",
            "trainer.py", "grpo.py", "wiring.py", "transport.py", "comm.py", "batch_rewards.py",
            "ema.py", "presets.py", "colocated.py"]
-MAIN_MAX_LINES = 200
+MAIN_MAX_LINES = 300  # issue 41: main.py writes out both ranks' loops (about 300 lines is fine)
 CORE = ["main.py", "gap.py", "tsp.py", "tag.py", "async_policy.py", "rollout.py", "trainer.py", "grpo.py"]
 MAX_FUNCTION_LINES = 60
 
@@ -195,8 +195,8 @@ def test_no_line_is_wider_than_100_columns(name):
     assert not long, f"lines over {MAX_COLUMNS} columns: {long}"
 
 
-def test_main_py_stays_at_most_200_lines():
-    """main.py is the wiring read top to bottom: what grows there belongs in wiring.py or infra/."""
+def test_main_py_stays_at_most_300_lines():
+    """main.py is the step read top to bottom: what grows there belongs in a mechanism, infra/ or the trainer."""
     with open(os.path.join(ROOT, "main.py"), encoding="utf-8") as f:
         lines = len(f.readlines())
     assert lines <= MAIN_MAX_LINES, f"main.py has {lines} lines (at most {MAIN_MAX_LINES})"

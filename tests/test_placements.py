@@ -103,6 +103,7 @@ def test_the_one_process_update_is_minus_the_gradient_of_the_plain_objective(run
     that of [2, 4)'s at the moved weights, its ratio against the log-probs the rollout recorded."""
     import config
     import gap
+    import grpo
     import models
     import rewards
     from rollout import SamplingConfig, generate_fragment
@@ -123,8 +124,8 @@ def test_the_one_process_update_is_minus_the_gradient_of_the_plain_objective(run
     fragment = generate_fragment(policy, spec, prompts, sampling, rewards.build_reward("color"), 0, 0)
     assert float(fragment.rewards.mean()) == pytest.approx(metrics[0]["reward_mean"], abs=1e-6)
     expected = {k: initial[k].clone() for k in weights}
-    for j, (lo, hi) in enumerate(gap.minibatch_bounds(4, updates)):
-        part = gap.groups_of(fragment, lo, hi)
+    for j, (lo, hi) in enumerate(grpo.minibatch_bounds(4, updates)):
+        part = grpo.groups_of(fragment, lo, hi)
         loss = plain_flow_grpo_loss(policy, part, part.log_probs if j else None, cfg.clip_range,
                                     total_pairs=(hi - lo) * 2 * 2)
         gradient = dict(zip(weights, torch.autograd.grad(loss, [params[k] for k in weights])))

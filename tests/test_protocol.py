@@ -35,9 +35,10 @@ import torch.distributed as dist
 
 import async_policy
 import gap
+import grpo
 import tag
 import tsp
-from trainer import TrainConfig, Trainer, train_fragment
+from trainer import TrainConfig, Trainer, TrainerSide, nothing, train_fragment, trainer_loop
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -275,10 +276,10 @@ def test_gap_trains_each_fragment_as_it_arrives_and_the_barrier_after_all():
             for i in range(2):
                 events.append(f"recv {i}")
                 yield _numbered_fragment(i, 1)
-        side = gap.TrainerSide(fragments_of=arrivals, train=lambda f: events.append(f"train {f.first_group}"),
+        side = TrainerSide(fragments_of=arrivals, train=lambda f: events.append(f"train {f.first_group}"),
                                optimizer_step=lambda step: events.append("step") or {}, version=lambda: 0,
-                               publish=gap.nothing, end_step=gap.nothing, bounds=[(0, 2)])
-        gap.trainer_loop(side, range(1), streaming)
+                               publish=nothing, end_step=nothing, bounds=[(0, 2)])
+        trainer_loop(side, range(1), streaming)
         assert events == want
 
 
@@ -457,14 +458,14 @@ def test_loopback_data_plane_warning():
 
 # --- several updates per batch: fixed minibatch boundaries whatever the arrival order -----------------------
 def test_minibatch_bounds_are_contiguous_whole_groups():
-    assert gap.minibatch_bounds(4, 2) == [(0, 2), (2, 4)]
-    assert gap.minibatch_bounds(3, 2) == [(0, 1), (1, 3)]  # sizes within one group: the demo's B = 3
-    assert gap.minibatch_bounds(5, 1) == [(0, 5)]
+    assert grpo.minibatch_bounds(4, 2) == [(0, 2), (2, 4)]
+    assert grpo.minibatch_bounds(3, 2) == [(0, 1), (1, 3)]  # sizes within one group: the demo's B = 3
+    assert grpo.minibatch_bounds(5, 1) == [(0, 5)]
     for bad in (0, 6):
         with pytest.raises(ValueError, match="--updates-per-batch"):
-            gap.minibatch_bounds(5, bad)
+            grpo.minibatch_bounds(5, bad)
     part = _numbered_fragment(0, 4)
-    assert gap.minibatch_pairs(gap.minibatch_bounds(3, 2), 2, 5, gap.groups_of(part, 1, 3)) == 2 * 2 * 5
+    assert grpo.minibatch_pairs(grpo.minibatch_bounds(3, 2), 2, 5, grpo.groups_of(part, 1, 3)) == 2 * 2 * 5
 
 
 def test_minibatches_hold_later_parts_until_the_update_and_split_a_straddling_fragment():
@@ -477,13 +478,13 @@ def test_minibatches_hold_later_parts_until_the_update_and_split_a_straddling_fr
     arrivals = [_numbered_fragment(3, 1),  # minibatch 1 first: held
                 gap.Announcement(producer=0, first_group=0, num_groups=1, destination=1),  # another trainer's
                 _numbered_fragment(1, 2)]  # straddles: groups 1 (minibatch 0) and 2 (minibatch 1)
-    gap.train_in_minibatches(arrivals, [(0, 2), (2, 4)], train, lambda j: events.append(f"update {j}"))
+    grpo.train_in_minibatches(arrivals, [(0, 2), (2, 4)], train, lambda j: events.append(f"update {j}"))
     assert events == ["train 1-2", "update 0", "train 3-4", "train 2-3"]
     with pytest.raises(AssertionError, match="missing"):  # a step must not end with a minibatch untrained
-        gap.train_in_minibatches([_numbered_fragment(0, 1)], [(0, 1), (1, 2)], train, gap.nothing)
+        grpo.train_in_minibatches([_numbered_fragment(0, 1)], [(0, 1), (1, 2)], train, nothing)
     with pytest.raises(AssertionError, match="after its update"):
-        gap.train_in_minibatches([_numbered_fragment(0, 1), _numbered_fragment(0, 1)], [(0, 1), (1, 2)], train,
-                                 gap.nothing)
+        grpo.train_in_minibatches([_numbered_fragment(0, 1), _numbered_fragment(0, 1)], [(0, 1), (1, 2)], train,
+                                 nothing)
 
 
 @pytest.mark.parametrize("old_log_prob", ["fresh", "rollout"])

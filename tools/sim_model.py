@@ -68,13 +68,13 @@ class Workload:
     #   by trajectories (the runtime's TAG, issue 25)
     tsp_span: bool = False  # TSP packs span the fragments of a step: padding once per step, not per fragment
     updates_per_batch: int = 1  # M (--updates-per-batch): an optimizer step after each of M group-range
-    #   minibatches (gap.minibatch_bounds); spanning packs are padded once per update
+    #   minibatches (grpo.minibatch_bounds); spanning packs are padded once per update
     steps: int = 10  # simulated RL steps: the `warmup` first and the last one are not measured
     warmup: int = 2
 
     @property
     def bounds(self) -> list[tuple[int, int]]:
-        """The M minibatches' group ranges, as gap.minibatch_bounds cuts them."""
+        """The M minibatches' group ranges, as grpo.minibatch_bounds cuts them."""
         cuts = [j * self.groups // self.updates_per_batch for j in range(self.updates_per_batch + 1)]
         return list(zip(cuts[:-1], cuts[1:]))
 

@@ -237,7 +237,7 @@ def _disaggregated(sim, mode, costs, cluster, wl):
             return [tag.split_groups(hi - lo, K, r) for r in range(K)]
         return [(a * G, b * G) for a, b in (tag.split_groups((hi - lo) // G, K, r) for r in range(K))]
 
-    bounds = wl.bounds  # M minibatches: an update after each (gap.train_in_minibatches)
+    bounds = wl.bounds  # M minibatches: an update after each (grpo.train_in_minibatches)
 
     def minibatch_of(group):
         return next(j for j, (lo, hi) in enumerate(bounds) if lo <= group < hi)
