@@ -21,6 +21,7 @@ from typing import ContextManager
 import torch
 
 import batch_rewards
+import cli
 import colocated
 import comm
 import config as config_lib
@@ -33,7 +34,7 @@ import tag
 import async_policy
 import transport
 import wiring
-from infra import bookkeeping, cli, emulate, rundir, runtime
+from infra import bookkeeping, emulate, rundir, runtime
 from infra.launch import launch
 from infra.preemption import EXIT_PREEMPTED, Preempted
 from infra.prompts import PromptSource

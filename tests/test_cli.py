@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import main
-from infra import cli
+import cli
 from conftest import ROOT, checkpoint_weights, rank_pids, read_metrics, run_main
 
 pytestmark = pytest.mark.timeout(300)

@@ -335,7 +335,7 @@ def test_host_memory_of_a_full_fine_tuning_run(tiny_cache, tmp_path, monkeypatch
     - the rollout rank allocated a new copy of the published weights per publish: now one for the run;
     - a trainer made the fp32 masters of the whole transformer before sharding (4 bytes a parameter): now of its
       shard (4 / K), plus one tensor's re-padding at a time."""
-    from infra import cli
+    import cli
     from infra.launch import launch
 
     import comm

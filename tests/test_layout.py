@@ -129,6 +129,15 @@ def test_no_import_cycles():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
+def test_nothing_under_infra_imports_config():
+    """The arrow runs one way (docs/DESIGN.md): config.py may use infra/, infra/ never reads the options module,
+    so infra/ can be reused without this project's Config. Catches an `import config` (or `from config import`)
+    anywhere in infra/, function-level imports included."""
+    offenders = sorted(name for name, path in _project_modules().items() if name.startswith("infra.")
+                       and any(n == "config" or n.startswith("config.") for n in _imports(path, "infra")))
+    assert not offenders, f"{offenders} import config.py (the command line lives in cli.py, at the top level)"
+
+
 OUTSIDE = "shared" + "/"  # spelled in two parts so that this file does not match itself (or a repo-wide grep)
 
 

@@ -13,7 +13,7 @@ import pytest
 import config
 import models
 import presets
-from infra import cli
+import cli
 from conftest import ROOT
 
 pytestmark = pytest.mark.timeout(300)

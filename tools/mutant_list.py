@@ -679,7 +679,7 @@ MUTANTS = [
       '        refuse_code_named_by_file(saved, given, f"--config {args.config!r}")\n', "",
       "a --config file (a shared run folder's config.json) chooses reward code to import",
       UNTRUSTED + "test_a_saved_configuration_never_runs_the_reward_code_it_names"),
-    M("lock-after-reading", "infra/cli.py",
+    M("lock-after-reading", "cli.py",
       "                lock = RunLock.acquire(named, create=not resuming)\n", "                pass\n",
       "a run folder is read before its lock is checked (a live job's pruned checkpoint read by a second job)",
       UNTRUSTED + "test_nothing_in_a_locked_run_folder_is_read_before_the_lock_is_checked"),
