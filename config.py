@@ -17,7 +17,7 @@ import re
 from typing import Optional
 
 import gap
-import presets
+from flowgrpo import presets
 from infra.saved_config import renamed_fields
 
 MODES = {

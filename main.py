@@ -20,7 +20,7 @@ from typing import ContextManager
 
 import torch
 
-import batch_rewards
+from flowgrpo import batch_rewards
 import cli
 import colocated
 import comm

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
-import ema as ema_lib
+from flowgrpo import ema as ema_lib
 import gap
 import grpo
 import models
@@ -49,7 +49,7 @@ class TrainConfig:
     # or "sgd": plain gradient descent, the update is exactly -lr x gradient
     optimizer: str = "adamw"
     collapsed_std: float = 0.0  # a group whose rewards' std is <= this has collapsed (the metric)
-    ema: bool = False  # an EMA of the trained weights for evaluation (ema.py)
+    ema: bool = False  # an EMA of the trained weights for evaluation (flowgrpo/ema.py)
     ema_decay: float = 0.9
     ema_every: int = 8
     # the training forward runs CFG as the rollout did (Flow-GRPO's train.cfg)
@@ -652,7 +652,7 @@ class TrainerSide:
     bounds: list[tuple[int, int]] | None = None  # grpo.minibatch_bounds; None: one update
     # before every update: train what is still open (TSP's packs)
     flush: Callable[[], object] = nothing
-    # Batch-level advantages (batch_rewards.py): when set, a step's fragments are first all
+    # Batch-level advantages (flowgrpo/batch_rewards.py): when set, a step's fragments are first all
     # collected (every group of the step is then produced, TAG's included), restated, then trained.
     restate: Callable[[int, list[Fragment]], list[Fragment]] | None = None
     # Flow-GRPO's sample minibatches (--minibatches samples): minibatches(step) -> M lists of the

@@ -1,4 +1,4 @@
-"""Flow-GRPO's batch-level advantages in the runtime (batch_rewards.py, TrainerSide.restate):
+"""Flow-GRPO's batch-level advantages in the runtime (flowgrpo/batch_rewards.py, TrainerSide.restate):
 
 - the trainer loop and the colocated loop train exactly the advantages of Flow-GRPO's own code (the
   PerPromptStatTracker and train_sd3.py block re-typed in tests/test_advantages.py, from
@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import batch_rewards
+from flowgrpo import batch_rewards
 import config
 import colocated
 import gap

@@ -28,7 +28,7 @@ import functools
 import pytest
 import torch
 
-import batch_rewards
+from flowgrpo import batch_rewards
 import comm
 import config
 import gap
