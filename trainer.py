@@ -7,7 +7,8 @@ mean's gradient; a stale pair's PPO ratio is against its recorded log-prob
 (async_policy.behaviour_log_prob). Which fragments reach this rank and which of their pairs it
 trains is decided by the mechanisms main.py plugs in (trainer_loop below, tsp.lockstep_fragments /
 gap.dealt_fragments, tag.Assistant); this file trains. Gradients are summed on the compute plane
-(comm.py: device tensors, main thread); metrics go over the trainers' data group (gloo, CPU).
+(comm.py: device tensors, main thread); metrics (infra/step_metrics.py) go over the trainers' data
+group (gloo, CPU).
 """
 from __future__ import annotations
 
@@ -22,15 +23,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
-from flowgrpo import ema as ema_lib
+import async_policy
 import gap
 import grpo
 import models
-import tag
-import async_policy
+from flowgrpo import ema as ema_lib
 from gap import Announcement, Fragment
-from infra import checkpoint_file
+from infra import checkpoint_file, step_metrics
 from infra.checkpoint_file import Deferred
+from infra.step_metrics import MetricSums, summarize
 from rollout import step_fn
 from tsp import PackStream, gather_pairs, gather_spanning
 
@@ -73,41 +74,6 @@ class TrainConfig:
             collapsed_std=cfg.collapsed_std, ema=cfg.ema, ema_decay=cfg.ema_decay,
             ema_every=cfg.ema_every, train_cfg=cfg.train_cfg, detach_uncond=cfg.detach_uncond,
             kl_scale=cfg.kl_scale, old_log_prob=cfg.old_log_prob, ema_repeats=cfg.ema_repeats)
-
-
-class MetricSums:
-    """Per-step metric accumulators, reduced across a process group in one collective per kind."""
-
-    def __init__(self):
-        self.sums: dict[str, float] = {}
-        self.mins: dict[str, float] = {}
-        self.maxs: dict[str, float] = {}
-
-    def add(self, name: str, value) -> None:
-        self.sums[name] = self.sums.get(name, 0.0) + float(value)
-
-    def low(self, name: str, value) -> None:
-        self.mins[name] = min(self.mins.get(name, math.inf), float(value))
-
-    def high(self, name: str, value) -> None:
-        self.maxs[name] = max(self.maxs.get(name, -math.inf), float(value))
-
-    def reduce(self, group, names: tuple[list[str], list[str], list[str]] | None = None) -> None:
-        """Sum/min/max over `group`; every rank must hold the same key sets (pass `names` to force
-        them)."""
-        if group is None or dist.get_world_size(group) == 1:
-            return
-        for store, op, empty in ((self.sums, dist.ReduceOp.SUM, 0.0),
-                                 (self.mins, dist.ReduceOp.MIN, math.inf),
-                                 (self.maxs, dist.ReduceOp.MAX, -math.inf)):
-            keys = sorted(store)
-            gathered: list = [None] * dist.get_world_size(group)
-            dist.all_gather_object(gathered, keys, group=group)
-            keys = sorted(set().union(*gathered))
-            values = torch.tensor([store.get(k, empty) for k in keys], dtype=torch.float64)
-            dist.all_reduce(values, op=op, group=group)
-            store.clear()
-            store.update(zip(keys, values.tolist()))
 
 
 class Trainer:
@@ -337,27 +303,8 @@ class Trainer:
 
     def count_fragment(self, fragment, reward_names: list[str]) -> None:
         """Reward and staleness metrics of a fragment (call on exactly one trainer per fragment)."""
-        m, n = self.metrics, fragment.num_samples
-        staleness = self.version - fragment.policy_version
-        m.add("trajectories", n)
-        m.add("stale_trajectories", n * (staleness > 0))
-        m.add("staleness_sum", n * staleness)
-        # the parts of a fragment split between two updates count once
-        whole = int(fragment.opens_fragment)
-        m.add("fragments", whole)
-        m.add("stale_fragments", whole * int(staleness > 0))
-        m.add("tag_fragments", whole * int(fragment.producer == tag.TAG_PRODUCER))
-        r = fragment.rewards.to(torch.float64)
-        m.add("reward_sum", r.sum()); m.add("reward_sq", (r**2).sum())  # noqa: E702
-        for i, name in enumerate(reward_names):
-            part = fragment.reward_parts[:, i].to(torch.float64)
-            m.add(f"reward_{name}_sum", part.sum())
-            m.add(f"reward_{name}_sq", (part**2).sum())
-        groups = r.reshape(-1, fragment.group_size)
-        m.add("groups", groups.shape[0])
-        # the guard's own rule (grpo.advantages, --collapsed-std; float64, so equal rewards give 0)
-        collapsed = groups.std(dim=1, unbiased=False) <= self.cfg.collapsed_std
-        m.add("collapsed_groups", collapsed.sum())
+        step_metrics.count_fragment(self.metrics, fragment, self.version, reward_names,
+                                    self.cfg.collapsed_std)
 
     # --- the optimizer updates: M per RL step, the last one ends the step -------------------------
     def update(self) -> float:
@@ -453,39 +400,6 @@ class Trainer:
         for p in self.params:
             p.grad = flat[offset:offset + p.numel()].view_as(p).to(p.dtype)
             offset += p.numel()
-
-
-def summarize(m: MetricSums, reward_names: list[str]) -> dict[str, float]:
-    s = m.sums
-    pairs, traj = max(s.get("pairs", 0.0), 1.0), max(s.get("trajectories", 0.0), 1.0)
-    out = {"loss": s.get("loss", 0.0)}
-    for k in ("approx_kl", "clipfrac", "ratio_mean", "kl"):
-        if k in s:
-            out[k] = s[k] / pairs
-    out["logprob_gap"] = s.get("logprob_gap", 0.0) / pairs
-    out["ratio_min"], out["ratio_max"] = m.mins.get("ratio_min", 1.0), m.maxs.get("ratio_max", 1.0)
-    out["update_kl"] = s.get("update_kl_sum", 0.0) / max(s.get("update_kl_pairs", 0.0), 1.0)
-    for kind in ("fresh", "later", "stale"):
-        if s.get(f"pairs_{kind}", 0) > 0:
-            out[f"ratio_mean_{kind}"] = s[f"ratio_mean_{kind}"] / s[f"pairs_{kind}"]
-            out[f"clipfrac_{kind}"] = s.get(f"clipfrac_{kind}", 0.0) / s[f"pairs_{kind}"]
-            out[f"ratio_min_{kind}"] = m.mins[f"ratio_min_{kind}"]
-            out[f"ratio_max_{kind}"] = m.maxs[f"ratio_max_{kind}"]
-    mean = s.get("reward_sum", 0.0) / traj
-    out["reward_mean"] = mean
-    out["reward_std"] = max(s.get("reward_sq", 0.0) / traj - mean**2, 0.0) ** 0.5
-    for name in reward_names:
-        mu = s.get(f"reward_{name}_sum", 0.0) / traj
-        out[f"reward_{name}_mean"] = mu
-        out[f"reward_{name}_std"] = max(s.get(f"reward_{name}_sq", 0.0) / traj - mu**2, 0.0) ** 0.5
-    out["collapsed_group_frac"] = s.get("collapsed_groups", 0.0) / max(s.get("groups", 0.0), 1.0)
-    out["stale_frac"] = s.get("stale_trajectories", 0.0) / traj
-    out["staleness_mean"] = s.get("staleness_sum", 0.0) / traj
-    out["stale_fragments"] = s.get("stale_fragments", 0.0)
-    out["tag_fragments"] = s.get("tag_fragments", 0.0)
-    out["trajectories"] = s.get("trajectories", 0.0)
-    out["pairs"] = s.get("pairs", 0.0)
-    return out
 
 
 def fused_adamw_ok(params: list[torch.Tensor]) -> bool:
