@@ -280,7 +280,10 @@ class Publisher:
     def stop(self) -> None:
         """Tell every mailbox to exit."""
         if self.sends:
-            self.send([], 0, STOP)
+            span = (self.tracer.span("publish", version=STOP) if self.tracer
+                    else contextlib.nullcontext())
+            with span:
+                self.send([], 0, STOP)
 
 
 # --- python3 async_policy.py: the mechanism alone, on fake ranks ----------------------------------

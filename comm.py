@@ -99,7 +99,7 @@ def gather_device_identities(store, rank: int, world: int, mine: str) -> list[st
     """Every rank's device identity, through the store (before any process group exists)."""
     store.set(f"device/{rank}", mine)
     keys = [f"device/{r}" for r in range(world)]
-    store.wait(keys)
+    store.wait(keys, NO_DEADLINE)  # a late rank is liveness' to judge, not the store's timeout
     return [store.get(k).decode() for k in keys]
 
 
@@ -109,7 +109,7 @@ def gather_hosts(store, rank: int, world: int) -> list[str]:
     per node under torchrun and unset under srun)."""
     store.set(f"host/{rank}", socket.gethostname())
     keys = [f"host/{r}" for r in range(world)]
-    store.wait(keys)
+    store.wait(keys, NO_DEADLINE)  # as above
     return [store.get(k).decode() for k in keys]
 
 

@@ -321,6 +321,18 @@ class Config:
                              "anywhere: a hung collective), before the job stops; never bounds "
                              "a step, which may take minutes. Smaller = a dead or stuck rank is "
                              "found sooner; it must exceed one forward or pack")
+    excused_timeout_s: Optional[float] = field(
+        None, "seconds a rank may spend without reporting progress inside a phase that cannot "
+        "report any (loading the pipeline, building the reward, a reward call, writing the run "
+        "directory or the trace), counted from the phase's start or its last report; past it that "
+        "silence counts like any other (--timeout-s). Unset = 4 x --timeout-s. Larger tolerates "
+        "slower disks, downloads and rewards; smaller finds a rank wedged there sooner")
+    stop_grace_s: float = field(
+        30.0, "after SIGTERM/SIGINT a running job finishes its step and checkpoints; if no rank "
+        "makes progress for this many seconds (or --timeout-s, if smaller) it ends without that "
+        "checkpoint, the last complete one stays. Schedulers SIGKILL after their own grace (SLURM "
+        "KillWait, Kubernetes' terminationGracePeriodSeconds: 30 s by default), so larger helps "
+        "only where theirs is larger; smaller ends a stuck job sooner")
     backend: str = field("auto", "compute-plane backend: auto (NCCL when every rank of a node has "
                          "its own GPU, else gloo), nccl, gloo. The data plane is always gloo with "
                          "CPU tensors (comm.py)")
@@ -464,12 +476,17 @@ def resolve(cfg: Config, world: int | None = None) -> Config:
     if c.lora is None:
         c.lora = c.pretrained is not None or c.init_lora is not None
     preset = presets.for_run(c.model, c.pretrained is not None, c.algo, c.lora)
+    sample_batch_given = c.sample_batch_size is not None
     # a size given: square
     sized = {"frames"} | (set() if c.resolution or c.width else {"resolution", "width"})
     for name, setting in preset.values.items():  # what no flag set: the published (or tiny) setting
         if getattr(c, name) is None or (name in sized and getattr(c, name) == 0):
             setattr(c, name, setting.value)
     _resolve_flow_grpo(c)
+    call = c.fragment_groups * c.group_size  # trajectories per generation call
+    if not sample_batch_given and c.sample_batch_size and call > 0 and call % c.sample_batch_size:
+        # the published batch where it divides the fragment, else its largest divisor below it
+        c.sample_batch_size = max(d for d in range(1, c.sample_batch_size + 1) if call % d == 0)
     if c.lora and (c.lora_rank is None or c.lora_alpha is None):
         from models import lora
         rank, alpha = lora.default_rank_alpha(c.model, c.init_lora)
@@ -571,10 +588,13 @@ def _check_numbers(c: Config) -> None:
         _bad(f"--weight-decay must be a finite number >= 0, got {c.weight_decay}")
     if c.lr > MAX_LR:
         _bad(f"--lr must be a positive number <= {MAX_LR:g}, got {c.lr}")
-    largest = gap.largest_seed(c.steps, c.prompts_per_step * c.group_size)
+    # every seed derived from it stays an int64 and below the held-out evaluation seeds
+    largest = min(gap.largest_seed(c.steps, c.prompts_per_step * c.group_size),
+                  SEED_LIMIT - 1)
     if not 0 <= c.seed <= largest:
         _bad(f"--seed must be an integer in [0, {largest}] (every seed derived from it stays an "
-             f"int64 over {c.steps} steps), got {c.seed}")
+             f"int64 over {c.steps} steps and below the held-out evaluation seeds), "
+             f"got {c.seed}")
     for name in ("resolution", "width"):
         if getattr(c, name) > MAX_SIDE:
             _bad(f"--{name} must be at most {MAX_SIDE} pixels, got {getattr(c, name)}")
@@ -591,7 +611,8 @@ def _check_numbers(c: Config) -> None:
     num_train_timesteps(SamplingConfig(num_steps=c.num_steps, noise_level=c.noise_level,
                                        timestep_fraction=c.timestep_fraction,
                                        algo=c.algo))  # T_train >= 1
-    for name in ("lr", "clip_range", "max_grad_norm", "timeout_s", "adv_clip"):
+    for name in ("lr", "clip_range", "max_grad_norm", "timeout_s", "adv_clip", "stop_grace_s",
+                 *(["excused_timeout_s"] if c.excused_timeout_s is not None else [])):
         value = getattr(c, name)
         if not (math.isfinite(value) and value > 0):
             _bad(f"--{name.replace('_', '-')} must be a positive number, got {value}")
@@ -670,9 +691,9 @@ def _check_batches(c: Config) -> None:
              "them into the minibatches: it needs --minibatches samples and batch statistics "
              f"(--[no-]per-prompt-stat-tracking); got --minibatches {c.minibatches}, "
              f"--per-prompt-stat-tracking {c.per_prompt_stat_tracking}")
-    if not 0 <= c.seed < SEED_LIMIT or not c.steps < STEPS_LIMIT:
-        _bad(f"--seed {c.seed} must be in [0, {SEED_LIMIT}) and --steps {c.steps} below "
-             f"{STEPS_LIMIT}: training noise seeds then never reach the held-out evaluation ones")
+    if not c.steps < STEPS_LIMIT:
+        _bad(f"--steps {c.steps} must be below {STEPS_LIMIT}: training noise seeds then never "
+             "reach the held-out evaluation ones")
     if c.ema_repeats < 1 or c.weight_decay < 0:
         _bad(f"--ema-repeats {c.ema_repeats} must be >= 1 and --weight-decay {c.weight_decay} "
              ">= 0")
@@ -717,10 +738,11 @@ def _check_model(c: Config, family) -> None:
 
 
 def _check_logging(c: Config) -> None:
+    import importlib.util
+    for flag in ("tensorboard", "wandb"):  # optional integrations: flag = package
+        if getattr(c, flag) and importlib.util.find_spec(flag) is None:
+            _bad(f"--{flag} needs the {flag} package: pip install -r requirements-extras.txt")
     if c.wandb:
-        import importlib.util
-        if importlib.util.find_spec("wandb") is None:
-            _bad("--wandb needs the wandb package: pip install wandb")
         from infra.tracking import check_wandb_login
         check_wandb_login()
 

@@ -82,13 +82,16 @@ def claims(queue: FragmentQueue, step: int, fragment_groups: int,
 
 # --- the trainer side: receive and train as fragments arrive --------------------------------------
 def dealt_fragments(queue: FragmentQueue, step: int, fragments_per_step: int, trainer_index: int,
-                    num_trainers: int, receive: Callable[[Announcement], Fragment]
+                    num_trainers: int, receive: Callable[[Announcement], Fragment],
+                    wait: Callable[[int, int], Announcement] | None = None
                     ) -> Iterable[Fragment | Announcement]:
     """Without TSP: trainer k of K receives announcements k, k + K, ... and trains whole fragments.
     The other trainers' announcements are yielded as they are (no data): they tell which groups are
-    in, which is when a minibatch is complete (grpo.train_in_minibatches)."""
+    in, which is when a minibatch is complete (grpo.train_in_minibatches). `wait(step, seq)`: how
+    to wait for an announcement (queue.wait unless given)."""
+    wait = wait or queue.wait
     for seq in range(fragments_per_step):
-        announcement = queue.wait(step, seq)
+        announcement = wait(step, seq)
         yield receive(announcement) if seq % num_trainers == trainer_index else announcement
 
 

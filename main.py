@@ -97,21 +97,21 @@ def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple, agent_s
     runtime.name_process(f"dg{rank}-{roles[rank]}")  # what ps/top (and tools/soak.py) show
     job = runtime.connect(cfg, rank, world, local_rank, master, agent_store, report_silent,
                           device, roles, store)
-    groups = comm.build_groups(rank, world, cfg.placement, cfg.rollout_ranks)
+    groups = job.phase("process groups", comm.build_groups, rank, world, cfg.placement,
+                       cfg.rollout_ranks)
     tracer = Tracer(rank, groups.role, enabled=cfg.trace, progress=job.progress)
-    tracer.align(groups.world_data)
+    job.phase("align clocks", tracer.align, groups.world_data)
     policy = runtime.load_policy(cfg, device, dtype, groups, job.progress)
     source = config_lib.prompt_source(cfg)  # train and held-out prompts, their metadata
-    reward_fn = rewards.build_reward(cfg.reward, config_lib.reward_options(cfg),
-                                     config_lib.reward_probe(cfg, source))
+    reward_fn = job.excused("build the reward", rewards.build_reward, cfg.reward,  # loads, dry call
+                            config_lib.reward_options(cfg), config_lib.reward_probe(cfg, source))
     reward_fn.prompt_metadata = source.train_metadata  # generation passes prompt ids
     runtime.freeze_heap()
-    first = rundir.checkpoint_step(rundir.check_resume(cfg.resume, cfg)) if cfg.resume else 0
     queue = gap.FragmentQueue(job.prefixed("queue"), cfg.prompts_per_step,
                               group_size=cfg.group_size) if job.store else None
     pace = functools.partial(emulate.paced, emulate.speed_of(cfg.rank_speed, rank))
     r = Rank(cfg, groups, job, tracer, policy, reward_fn, source, rollout.SamplingConfig.of(cfg),
-             queue, range(first, cfg.steps), pace,
+             queue, range(rundir.first_step(cfg), cfg.steps), pace,
              batch_rewards.for_run(cfg, job.prefixed("adv"), tracer))
     try:
         run_dir = rollout_rank(r) if groups.role == "rollout" else trainer_rank(r)
@@ -134,8 +134,8 @@ def rollout_rank(r: Rank) -> None:
     cfg, groups = r.cfg, r.groups
     params = [p for p in r.policy.transformer.parameters() if p.requires_grad]  # published ones
     sender = transport.FragmentSender(wiring.Send(r.tracer, groups.world_data))
-    receive = transport.WeightReceiver(groups.leader, groups.publish,  # one reused copy on the host
-                                       [(p.shape, p.dtype) for p in params])
+    shapes, progress = [(p.shape, p.dtype) for p in params], r.job.progress
+    receive = transport.WeightReceiver(groups.leader, groups.publish, shapes, progress=progress)
     budget = async_policy.StaleBudget(r.job.prefixed("stale"), cfg.max_stale_fragments)
     weights = async_policy.RolloutWeights(  # TCSS
         async_policy.Mailbox(receive), params, budget if cfg.use_tcss else None,
@@ -146,7 +146,7 @@ def rollout_rank(r: Rank) -> None:
     gap.rollout_loop(rank=groups.rank, steps=r.steps, queue=r.queue, generate=generate,
                      fragment_groups=cfg.fragment_groups, send=sender.put, weights=weights,
                      destination_of=functools.partial(wiring.destination, groups, cfg.tsp))  # GAP
-    sender.close(), weights.close()
+    r.job.phase("wait for the trainers' end", lambda: (sender.close(), weights.close()))
 
 
 def trainer_rank(r: Rank):
@@ -156,9 +156,9 @@ def trainer_rank(r: Rank):
         shard_for_fsdp(r.policy, groups.compute, keep_reference=cfg.beta > 0 and not cfg.lora)
     trainer = Trainer(r.policy, TrainConfig.of(cfg), compute_group=groups.compute,
                       data_group=groups.trainer_data, sharded=cfg.fsdp, progress=r.job.progress)
-    if cfg.resume:
-        bookkeeping.resume(trainer, cfg)
-    r.job.progress.start()  # from here on this rank reports progress (loading a checkpoint did not)
+    r.job.progress.start()  # the loop's work begins (a stop request now waits for a checkpoint)
+    if cfg.resume:  # reports progress per tensor loaded
+        bookkeeping.resume(trainer, cfg, r.job.progress)
     books = bookkeeping.Bookkeeping(cfg, r.steps, trainer, r.policy, r.source, r.sampling, r.score,
                                     r.reward_fn.names, r.tracer, r.job, leader)
     books.evaluate_initial()

@@ -128,10 +128,13 @@ class Trainer:
     # --- whole weights (FSDP shards are gathered: a collective, so every trainer calls these) -----
     def iter_full_weights(self) -> Iterable[torch.Tensor]:
         """The trainable weights as whole tensors, in `self.params` order, gathered one at a time
-        when sharded (a compute-plane collective: every trainer iterates, in the same order)."""
+        when sharded (a compute-plane collective: every trainer iterates, in the same order). A
+        unit of progress per tensor, once the consumer is done with it (publishing 24-41 GB of full
+        weights over gloo takes minutes)."""
         for p in self.params:
             with torch.no_grad():
                 yield whole_tensor(p)
+            self._bump()
 
     def evaluation_weights(self) -> ContextManager:
         """The weights evaluation uses: the EMA's (--ema) swapped in for the block, else the trained
@@ -188,11 +191,11 @@ class Trainer:
         """Inverse of checkpoint_state; re-shards whole tensors onto this rank's FSDP shards when
         sharded."""
         with torch.no_grad():
-            for name, p in zip(self.names, self.params):
+            for name, p in zip(self.names, self.params):  # read from the memory-mapped file here
                 p.copy_(_like(state["weights"][name], p))
+                self._bump()
         optimizer = dict(state["optimizer"])
-        optimizer["state"] = {i: {k: (_like(v, self.params[i]) if v.ndim else v)
-                                  for k, v in s.items()}
+        optimizer["state"] = {i: {k: self._placed(v, self.params[i]) for k, v in s.items()}
                               for i, s in optimizer["state"].items()}
         self.optimizer.load_state_dict(optimizer)
         # --max-bad-steps counts across a resume
@@ -203,6 +206,14 @@ class Trainer:
             with torch.no_grad():
                 for name, shadow, p in zip(self.names, self.ema.shadow, self.params):
                     shadow.copy_(_like(state["ema"][name], p) if "ema" in state else p.detach())
+
+    def _placed(self, value: torch.Tensor, param) -> torch.Tensor:
+        """An optimizer state tensor placed like `param` (a scalar stays), a unit of progress."""
+        if not value.ndim:
+            return value
+        placed = _like(value, param)
+        self._bump()
+        return placed
 
     # --- one pack of pairs -------------------------------------------------------------------
     def pair_loss(self, batch, weights: torch.Tensor, recorded: torch.Tensor | bool):
@@ -310,16 +321,21 @@ class Trainer:
     def update(self) -> float:
         """One update from the gradients accumulated since the last: sum over the trainers, clip the
         global norm, AdamW (skipped, weights untouched, when a loss or the gradient is not finite).
-        Returns the global gradient norm before clipping."""
+        Returns the global gradient norm before clipping. Each part done is a unit of progress (a
+        24 GB all-reduce or a 20B-parameter AdamW step takes seconds)."""
         self.all_reduce_gradients()
+        self._bump()
         with self._inside("grad-norm all-reduce"):
             # the global norm
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)
             grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor")
                               else grad_norm)
+        self._bump()
         finite = self._losses_finite() and math.isfinite(grad_norm)  # the collective first, always
+        self._bump()
         if finite:
             self.optimizer.step()
+            self._bump()
         # else skip: weights and optimizer state stay as they were
         self.optimizer.zero_grad(set_to_none=True)
         self.updates_total += 1
@@ -335,7 +351,7 @@ class Trainer:
         moves on."""
         grad_norm = self.update()
         with self._inside("metrics all-reduce"):
-            self.metrics.reduce(self.data_group)
+            self.metrics.reduce(self.data_group, on_done=self._bump)
         norms, self.grad_norms = self.grad_norms, []
         finite = [n for n in norms if math.isfinite(n)]
         # --max-bad-steps counts RL steps with a skipped update, whatever M

@@ -18,10 +18,12 @@ one latency instead of ~20; this matters on gloo/TCP where each message is a rou
 Weights are (version, count), then consecutive tensors packed into flat buckets of at most
 PUBLISH_BUCKET_BYTES (one broadcast each: a model of many small tensors costs one round trip, not
 one per tensor); a larger tensor goes alone, so the sender never holds more than a bucket plus one
-tensor.
+tensor. Publishing 24-41 GB of full weights over gloo takes minutes: the sender reports progress per
+tensor (the weights it iterates, trainer.iter_full_weights), the receiver per bucket.
 """
 from __future__ import annotations
 
+import contextlib
 import queue as queue_lib
 import threading
 from collections.abc import Callable, Iterable
@@ -179,11 +181,12 @@ def fits_bucket(bucket: list[tuple[int, torch.dtype]], nbytes: int, dtype: torch
 
 def publish_weights(tensors: Iterable[torch.Tensor], count: int, version: int, src: int, group,
                     dtypes: list[torch.dtype] | None = None,
-                    bucket_bytes: int = PUBLISH_BUCKET_BYTES) -> None:
+                    bucket_bytes: int | None = None) -> None:
     """The sender: broadcast (version, count) then the `count` tensors as CPU tensors in `dtypes`
-    (the receivers' parameter dtypes), packed into buckets. `tensors` may gather each one just in
-    time (FSDP), so at most one bucket, its flat copy and one whole tensor are held here at once.
-    count 0: the header only."""
+    (the receivers' parameter dtypes), packed into buckets (of PUBLISH_BUCKET_BYTES unless given).
+    `tensors` may gather each one just in time (FSDP), so at most one bucket, its flat copy and one
+    whole tensor are held here at once. count 0: the header only."""
+    bucket_bytes = bucket_bytes or PUBLISH_BUCKET_BYTES
     dist.broadcast(torch.tensor([version, count], dtype=torch.int64), src=src, group=group)
     bucket: list[torch.Tensor] = []
     # (bytes, dtype) of the bucket's tensors: what fits_bucket reads
@@ -214,10 +217,12 @@ def publish_weights(tensors: Iterable[torch.Tensor], count: int, version: int, s
 
 
 def bucket_plan(shapes: list[tuple[torch.Size, torch.dtype]],
-                bucket_bytes: int = PUBLISH_BUCKET_BYTES
+                bucket_bytes: int | None = None
                 ) -> list[tuple[torch.dtype, list[torch.Size]]]:
     """The buckets a publish of weights of these (shape, dtype)s is cut into (fits_bucket, as the
-    publisher cuts them): (dtype, the shapes of its weights) per bucket, in order."""
+    publisher cuts them, PUBLISH_BUCKET_BYTES unless given): (dtype, the shapes of its weights) per
+    bucket, in order."""
+    bucket_bytes = bucket_bytes or PUBLISH_BUCKET_BYTES
     plan: list[tuple[torch.dtype, list[torch.Size]]] = []
     bucket: list[tuple[int, torch.dtype]] = []
     for shape, dtype in shapes:
@@ -231,15 +236,18 @@ def bucket_plan(shapes: list[tuple[torch.Size, torch.dtype]],
 
 
 def receive_buckets(src: int, group, shapes: list[tuple[torch.Size, torch.dtype]],
-                    bucket_bytes: int = PUBLISH_BUCKET_BYTES,
-                    flats: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+                    bucket_bytes: int | None = None,
+                    flats: list[torch.Tensor] | None = None,
+                    on_bucket: Callable[[], None] = lambda: None) -> list[torch.Tensor]:
     """The publisher's buckets, cut the same way (bucket_plan), each received into flats[i] (a
-    flat tensor per bucket, reused: WeightReceiver) or a new one; returns one view per weight."""
+    flat tensor per bucket, reused: WeightReceiver) or a new one; returns one view per weight.
+    `on_bucket()` after each bucket arrived."""
     buffers: list[torch.Tensor] = []
     for i, (dtype, bucket) in enumerate(bucket_plan(shapes, bucket_bytes)):
         numel = sum(s.numel() for s in bucket)
         flat = flats[i] if flats is not None else torch.empty(numel, dtype=dtype)
         dist.broadcast(flat, src=src, group=group)  # [bucket numel] in the bucket's dtype
+        on_bucket()
         offset = 0
         for shape in bucket:
             buffers.append(flat[offset:offset + shape.numel()].view(shape))
@@ -247,28 +255,42 @@ def receive_buckets(src: int, group, shapes: list[tuple[torch.Size, torch.dtype]
     return buffers
 
 
-def _receive_header(src: int, group, expected: int) -> tuple[int, int]:
+def _receive_header(src: int, group, expected: int, progress=None) -> tuple[int, int]:
     header = torch.empty(2, dtype=torch.int64)
-    dist.broadcast(header, src=src, group=group)
+    with _inside(progress, "next publish", idle=True):  # waiting for work, not doing it
+        dist.broadcast(header, src=src, group=group)
     version, count = int(header[0]), int(header[1])
     if count not in (0, expected):
         raise RuntimeError(f"published weights have {count} tensors, this model has {expected}")
     return version, count
 
 
+def _inside(progress, name: str, idle: bool = False):
+    return progress.inside(name, idle=idle) if progress is not None else contextlib.nullcontext()
+
+
+def _bump_of(progress) -> Callable[[], None]:
+    return progress.bump if progress is not None else (lambda: None)
+
+
 def receive_weights(src: int, group, shapes: list[tuple[torch.Size, torch.dtype]],
-                    bucket_bytes: int = PUBLISH_BUCKET_BYTES,
-                    begin: Callable[[int], None] | None = None) -> tuple[int, list[torch.Tensor]]:
+                    bucket_bytes: int | None = None,
+                    begin: Callable[[int], None] | None = None,
+                    progress=None) -> tuple[int, list[torch.Tensor]]:
     """The receiver (blocks until the next publish), into new buffers every time: (version, one
     tensor per weight); (version, []) for a header-only message (async_policy.STOP).
     begin(version) is called between the header and the weights. The reference for WeightReceiver,
-    which reuses its buffers (tests/test_host_memory.py)."""
-    version, count = _receive_header(src, group, len(shapes))
+    which reuses its buffers (tests/test_host_memory.py). `progress` (infra.progress.Progress):
+    the wait for the next publish is idle, receiving one is a named phase with a unit of progress
+    per bucket."""
+    version, count = _receive_header(src, group, len(shapes), progress)
     if count == 0:
         return version, []
     if begin is not None:
         begin(version)
-    return version, receive_buckets(src, group, shapes, bucket_bytes)
+    with _inside(progress, "receive weights"):
+        return version, receive_buckets(src, group, shapes, bucket_bytes,
+                                        on_bucket=_bump_of(progress))
 
 
 class WeightReceiver:
@@ -277,18 +299,20 @@ class WeightReceiver:
     whole run (24 GB for FLUX.1-dev's full weights in bf16), where new buffers per publish cost a
     fresh 24 GB allocation (and page faults) per step and two copies at once whenever a publish
     arrived before the last one was swapped in. The caller (async_policy.Mailbox) must not read the
-    buffers from begin(version) until the call returns: they are being overwritten."""
+    buffers from begin(version) until the call returns: they are being overwritten. `progress`
+    as for receive_weights."""
 
     def __init__(self, src: int, group, shapes: list[tuple[torch.Size, torch.dtype]],
-                 bucket_bytes: int = PUBLISH_BUCKET_BYTES):
+                 bucket_bytes: int | None = None, progress=None):
         self.src, self.group, self.shapes, self.bucket_bytes = src, group, shapes, bucket_bytes
+        self.progress = progress
         self.flats: list[torch.Tensor] | None = None  # one flat tensor per bucket
 
     def __call__(self, begin: Callable[[int], None] | None = None
                  ) -> tuple[int, list[torch.Tensor]]:
         """(version, one view per weight into the reused buffers); (version, []) for
         async_policy.STOP."""
-        version, count = _receive_header(self.src, self.group, len(self.shapes))
+        version, count = _receive_header(self.src, self.group, len(self.shapes), self.progress)
         if count == 0:
             return version, []
         if begin is not None:
@@ -296,8 +320,9 @@ class WeightReceiver:
         if self.flats is None:
             self.flats = [torch.empty(sum(s.numel() for s in bucket), dtype=dtype)
                           for dtype, bucket in bucket_plan(self.shapes, self.bucket_bytes)]
-        return version, receive_buckets(self.src, self.group, self.shapes, self.bucket_bytes,
-                                        self.flats)
+        with _inside(self.progress, "receive weights"):
+            return version, receive_buckets(self.src, self.group, self.shapes, self.bucket_bytes,
+                                            self.flats, _bump_of(self.progress))
 
 
 # --- TSP's commands -------------------------------------------------------------------------------

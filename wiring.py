@@ -37,6 +37,8 @@ class Send:
     def __call__(self, fragment: gap.Fragment, dst: int) -> None:
         with self.tracer.span("send", step=fragment.step, first_group=fragment.first_group):
             transport.send_fragment(fragment, dst, group=self.group)
+        if self.tracer.progress is not None:  # a fragment delivered (this thread's own count)
+            self.tracer.progress.bump()
 
 
 class TimedGenerate:
@@ -77,7 +79,8 @@ class TrainerFragments:
         g = self.groups
         if not self.cfg.tsp:
             return gap.dealt_fragments(self.queue, step, self.per_step, g.trainer_index,
-                                       g.num_trainers, functools.partial(self.receive, step))
+                                       g.num_trainers, functools.partial(self.receive, step),
+                                       wait=self.announced)
         poll = functools.partial(self.arrived, step)
         if self.assistant is not None:
             decide = self.assistant.strategy(step, poll, tsp.TRAIN, tsp.PRODUCE)  # TAG
@@ -92,6 +95,10 @@ class TrainerFragments:
 
     def arrived(self, step: int, seq: int) -> bool:
         return self.queue.poll(step, seq) is not None
+
+    def announced(self, step: int, seq: int) -> gap.Announcement:
+        with self.tracer.span("wait", step=step, what="fragment"):
+            return self.queue.wait(step, seq)
 
     def wait(self, step: int, decide: Callable[[int, int], tsp.Command], next_seq: int,
              done: int) -> tsp.Command:

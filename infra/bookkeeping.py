@@ -21,13 +21,15 @@ from infra.evaluation import Evaluator
 from infra.preemption import Preempted
 
 
-def resume(trainer, cfg) -> None:
+def resume(trainer, cfg, progress) -> None:
     """Weights, optimizer state, version and RNG of --resume RUN's last checkpoint (rollout ranks take the
-    weights from the leader's first publish)."""
-    state = rundir.load_state(rundir.check_resume(cfg.resume, cfg))  # tensors and plain data only
-    trainer.load_checkpoint_state(state)  # re-shards under FSDP
-    trainer.version = state["step"]
-    rundir.set_rng_state(state["rng"])
+    weights from the leader's first publish). A named phase with a unit of progress per tensor read: under
+    FSDP re-sharding is a collective (a resumed run's first)."""
+    with progress.inside("resume"):
+        state = rundir.load_state(rundir.check_resume(cfg.resume, cfg))  # tensors and plain data only
+        trainer.load_checkpoint_state(state)  # re-shards under FSDP
+        trainer.version = state["step"]
+        rundir.set_rng_state(state["rng"])
 
 
 class Bookkeeping:
@@ -127,8 +129,11 @@ class Bookkeeping:
         if self.leader:
             metrics.update(self.initial_eval)
             self.initial_eval.clear()
-            with self.job.progress.excused("write the run directory"):  # metrics, a checkpoint: no progress
-                rundir.record_step(self.run_dir, cfg, self.policy, step, metrics, checkpoint, self.tracer)
+            # metrics, plots, W&B report no progress; the checkpoint reports one unit per tensor produced and
+            # one per record written
+            with self.job.progress.excused("write the run directory"):
+                rundir.record_step(self.run_dir, cfg, self.policy, step, metrics, checkpoint, self.tracer,
+                                   on_write=self.job.progress.bump)
 
     def _stop(self, step: int) -> None:
         if self.leader:

@@ -135,9 +135,11 @@ def filled(state, produced: dict[int, torch.Tensor]):
     return state
 
 
-def save(state, path: str, produce: Callable[[Deferred], torch.Tensor]) -> None:
+def save(state, path: str, produce: Callable[[Deferred], torch.Tensor],
+         on_write: Callable[[], None] | None = None) -> None:
     """Write torch.save(state with every Deferred replaced by its tensor) to `path`, asking produce(d) for one
-    Deferred at a time, in deferred_order(state), and holding each only while it is written. The tensor must
+    Deferred at a time, in deferred_order(state), and holding each only while it is written; `on_write()` after
+    each tensor's record (a checkpoint of many GB takes minutes: the caller's progress, infra/progress.py). The tensor must
     have the Deferred's shape and dtype and lie on the CPU. Not atomic by itself: write to a temporary name
     and rename (infra/rundir.py does, for the whole checkpoint folder)."""
     records = _Records(state)
@@ -151,6 +153,8 @@ def save(state, path: str, produce: Callable[[Deferred], torch.Tensor]) -> None:
             name = f"data/{key}"
             if kind == "tensor":
                 writer.write_record(name, item, item.nbytes())
+                if on_write is not None:
+                    on_write()
                 continue
             tensor = produce(item)
             if tensor.shape != item.shape or tensor.dtype != item.dtype or tensor.device.type != "cpu":
@@ -160,3 +164,5 @@ def save(state, path: str, produce: Callable[[Deferred], torch.Tensor]) -> None:
                 tensor = tensor.clone(memory_format=torch.contiguous_format)
             writer.write_record(name, tensor.untyped_storage(), item.nbytes)  # the first nbytes (FSDP's padded
             del tensor  # gather is longer); the one whole tensor held: let it go before the next is produced
+            if on_write is not None:
+                on_write()

@@ -45,6 +45,8 @@ import torch.distributed as dist
 
 from infra.launch import SECRET_ENV  # the launcher sets it in its ranks (launch.py imports no torch)
 
+NO_DEADLINE = datetime.timedelta(days=7)  # comm.NO_DEADLINE: waits at start are bounded by liveness
+
 MIN_SECRET_CHARS = 32
 USER_SECRET = "$XDG_CONFIG_HOME/digenrl/store_secret (~/.config/...)"  # as messages name it (user_secret_path)
 NONCE, TAG = 16, 16  # bytes of a sealed value before its ciphertext
@@ -178,7 +180,7 @@ class SignedStore(dist.Store):
         """Post this rank's fingerprint and compare every rank's: ValueError naming a rank whose secret differs."""
         self.inner.set(f"{FINGERPRINT}{rank}", self.fingerprint())
         keys = [f"{FINGERPRINT}{r}" for r in range(world)]
-        self.inner.wait(keys)
+        self.inner.wait(keys, NO_DEADLINE)  # a late rank is liveness' to judge (the store's timeout is --timeout-s)
         theirs = [v.decode(errors="replace") for v in self.inner.multi_get(keys)]
         other = [r for r, f in enumerate(theirs) if f != self.fingerprint()]
         if other:

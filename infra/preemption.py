@@ -1,6 +1,7 @@
 """Preemption: SIGTERM (or SIGINT) stops a run at the end of the current step, with a checkpoint to resume from.
 
-    preemption = Preemption(store, rank, world, urgent=..., finishing=watch.finishing).start()  # every rank
+    preemption = Preemption(store, rank, world, urgent=..., finishing=watch.finishing, starting=...,
+                            on_request=watch.asked_to_stop).start()  # every rank
     asked = preemption.stop_asked()      # trainers, per step: max-reduced with the step's metrics (all agree)
     ...                                  # the leader writes the step's checkpoint, then:
     preemption.finish(leader=True)       # announce it; every rank exits with EXIT_PREEMPTED (never returns)
@@ -11,6 +12,11 @@ request (and posts it in the store, so a request that reached one rank reaches a
 at the end of each step through the step's metric reduction, so all of them decide at the same step; the
 leader writes that step's checkpoint and the reward curve, prints where to resume from, and announces it in
 the store; every rank then exits with status 75 (EX_TEMPFAIL: "try again later", i.e. --resume).
+A rank still starting (loading, before its loop) has nothing to save and exits at once (status 128 + signal):
+the run directory is as it was. A running rank also tells liveness (`on_request`): from then on a job that makes
+no progress for --stop-grace-s ends (infra/liveness.py), so a rank stuck in a collective, a disk or a reward
+ends within that grace instead of waiting for the scheduler's SIGKILL; its step's checkpoint is then lost, the
+last complete one stays.
 Another signal more than SAME_REQUEST_S later exits at once (status 128 + signal): a checkpoint being
 written is lost whole, never half-written (infra/rundir.py writes a folder and renames it), and so is
 one cut by the grace period's SIGKILL. Two signals less than SAME_REQUEST_S apart are one request: a
@@ -106,9 +112,14 @@ class Preemption:
     at once; `finishing()`: tells liveness this rank's exit is no death."""
 
     def __init__(self, store, rank: int, world: int, urgent: Callable[[], str | None] = lambda: None,
-                 finishing: Callable[[], None] = lambda: None, hosts_store: bool = False):
+                 finishing: Callable[[], None] = lambda: None, hosts_store: bool = False,
+                 starting: Callable[[], bool] = lambda: False, on_request: Callable[[], None] = lambda: None,
+                 grace_s: float | None = None):
+        """`starting()`: the rank has not begun its loop (a stop exits at once); `on_request()`: called on the first
+        signal of a running rank (liveness' grace); `grace_s`: --stop-grace-s, for the message."""
         self.store = store.clone() if store is not None else None  # a connection of its own
         self.rank, self.world, self.urgent, self.finishing = rank, world, urgent, finishing
+        self.starting, self.on_request, self.grace_s = starting, on_request, grace_s
         self.hosts_store = hosts_store  # this rank's process serves the store: it leaves last
         self.asked = threading.Event()
         self.exiting = threading.Event()  # set once this rank is on its way out with EXIT_PREEMPTED
@@ -132,9 +143,18 @@ class Preemption:
         if message:
             print(f"[digenrl] {message}: rank {self.rank} stops ({signal_name(signum)})", file=sys.stderr, flush=True)
             os._exit(128 + signum)
+        if self.starting():
+            print(f"[digenrl] rank {self.rank}: {signal_name(signum)} while starting: nothing to save yet, stopping "
+                  "at once (the run directory is as it was)", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(128 + signum)
+        grace = (f"; if no rank makes progress for --stop-grace-s {self.grace_s:g} it stops without it"
+                 if self.grace_s is not None else "")
         print(f"[digenrl] rank {self.rank}: {signal_name(signum)}: the run stops after the current step with a "
-              f"checkpoint (signal again after {SAME_REQUEST_S:g} s to stop at once)", file=sys.stderr, flush=True)
+              f"checkpoint{grace} (signal again after {SAME_REQUEST_S:g} s to stop at once)", file=sys.stderr,
+              flush=True)
         self.asked.set()
+        self.on_request()
         if self.store is not None:
             try:
                 self.store.set("stop/asked", str(self.rank))

@@ -30,6 +30,7 @@ import os
 import pickle
 import random
 import shutil
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -249,13 +250,14 @@ class RunDir:
 
     # --- checkpoints -------------------------------------------------------------------------
     def save_checkpoint(self, step: int, state: dict, produce=None, lora_layers=None, pipeline_class=None,
-                        lora_metadata: dict | None = None) -> str:
+                        lora_metadata: dict | None = None, on_write: Callable[[], None] | None = None) -> str:
         """state.pt is torch.save(state), written streamed (infra/checkpoint_file.py): each
         checkpoint_file.Deferred in `state` is asked of produce(deferred) when the file reaches it and let go
         once written, so the whole state is never in memory. `lora_layers(weights)` (name -> tensor, read back
         memory-mapped from the state.pt just written) gives the LoRA file's layers; `lora_metadata`
         (models.lora_metadata: rank, alpha, targets) goes into its header, where `pipe.load_lora_weights`
-        reads it back. The folder appears complete or not at all: a crash mid-save leaves a .partial folder,
+        reads it back. `on_write()` after every record written to state.pt (one per tensor: liveness' progress
+        while minutes of a large checkpoint go to disk). The folder appears complete or not at all: a crash mid-save leaves a .partial folder,
         never the latest checkpoint."""
         from infra import checkpoint_file
 
@@ -268,7 +270,7 @@ class RunDir:
         try:
             with writing(f"checkpoint {final}", kept):
                 os.makedirs(tmp)
-                checkpoint_file.save(state, os.path.join(tmp, "state.pt"), produce)
+                checkpoint_file.save(state, os.path.join(tmp, "state.pt"), produce, on_write)
                 with open(os.path.join(tmp, "meta.json"), "w") as f:  # what --resume checks without state.pt
                     json.dump({"step": state["step"], "identity": state["identity"]}, f)
                 if lora_layers is not None:
@@ -377,6 +379,11 @@ def _meta(checkpoint: str) -> dict:
 
 def checkpoint_step(checkpoint: str) -> int:
     return int(_meta(checkpoint)["step"])
+
+
+def first_step(cfg) -> int:
+    """The step a run starts at: 0, or the step of --resume's last checkpoint."""
+    return checkpoint_step(check_resume(cfg.resume, cfg)) if cfg.resume else 0
 
 
 def check_resume(run_path: str, cfg) -> str:
@@ -493,9 +500,11 @@ def open_run_dir(cfg, steps) -> RunDir:
     return run_dir
 
 
-def record_step(run_dir: RunDir, cfg, policy, step: int, metrics: dict, checkpoint: tuple | None, tracer) -> None:
+def record_step(run_dir: RunDir, cfg, policy, step: int, metrics: dict, checkpoint: tuple | None, tracer,
+                on_write: Callable[[], None] | None = None) -> None:
     """The leader's end of a step: the metrics row; with `checkpoint` = (state, produce) (Trainer.checkpoint_skeleton,
-    Trainer.produce), a checkpoint written streamed (and the LoRA file diffusers loads) and the reward curve."""
+    Trainer.produce), a checkpoint written streamed (and the LoRA file diffusers loads; `on_write` per record
+    written) and the reward curve."""
     import functools
 
     import models
@@ -508,5 +517,5 @@ def record_step(run_dir: RunDir, cfg, policy, step: int, metrics: dict, checkpoi
                          config=dataclasses.asdict(cfg))
             lora = functools.partial(models.lora_state_for_diffusers, policy.transformer) if cfg.lora else None
             meta = models.lora_metadata(policy.transformer) if cfg.lora else None  # alpha, rank, targets
-            run_dir.save_checkpoint(step + 1, state, produce, lora, policy.family.pipeline_class(), meta)
+            run_dir.save_checkpoint(step + 1, state, produce, lora, policy.family.pipeline_class(), meta, on_write)
         run_dir.plot_rewards()

@@ -23,7 +23,8 @@ import json
 import os
 import sys
 
-SAFE_ON_RESUME = ("steps", "eval_every", "save_every", "keep_checkpoints", "timeout_s", "progress", "trace",
+SAFE_ON_RESUME = ("steps", "eval_every", "save_every", "keep_checkpoints", "timeout_s", "excused_timeout_s",
+                  "stop_grace_s", "progress", "trace",
                   "tensorboard", "wandb", "wandb_project", "wandb_name", "threads", "nproc", "rollout_ranks",
                   "max_stale_fragments", "fsdp", "tsp_pack", "grad_ckpt", "max_bad_steps", "remote_url",
                   "remote_timeout_s", "remote_retries", "remote_batch_size", "eval_prompts", "eval_num_steps",

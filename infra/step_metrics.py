@@ -3,6 +3,7 @@ over the trainers' data group in one collective per kind, then summarised (train
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -25,9 +26,10 @@ class MetricSums:
     def high(self, name: str, value) -> None:
         self.maxs[name] = max(self.maxs.get(name, -math.inf), float(value))
 
-    def reduce(self, group, names: tuple[list[str], list[str], list[str]] | None = None) -> None:
+    def reduce(self, group, names: tuple[list[str], list[str], list[str]] | None = None,
+               on_done: Callable[[], None] = lambda: None) -> None:
         """Sum/min/max over `group`; every rank must hold the same key sets (pass `names` to force
-        them)."""
+        them). `on_done()` after each of the six collectives (a unit of progress)."""
         if group is None or dist.get_world_size(group) == 1:
             return
         for store, op, empty in ((self.sums, dist.ReduceOp.SUM, 0.0),
@@ -36,9 +38,11 @@ class MetricSums:
             keys = sorted(store)
             gathered: list = [None] * dist.get_world_size(group)
             dist.all_gather_object(gathered, keys, group=group)
+            on_done()
             keys = sorted(set().union(*gathered))
             values = torch.tensor([store.get(k, empty) for k in keys], dtype=torch.float64)
             dist.all_reduce(values, op=op, group=group)
+            on_done()
             store.clear()
             store.update(zip(keys, values.tolist()))
 

@@ -133,7 +133,20 @@ def test_a_dead_server_is_refused_before_spawn(monkeypatch, capsys, tmp_path):
            "attempts" in err and "Connection refused" in err
 
 
+def test_optional_integrations_without_their_package_name_the_extras_file(monkeypatch, capsys, tmp_path):
+    """--tensorboard and --wandb need packages only requirements-extras.txt installs: refused before any rank
+    starts, naming the install command (a missing package used to fail inside the run's first step)."""
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("tensorboard", "wandb")
+                        else real(name, *a))
+    for flag in ("--tensorboard", "--wandb"):
+        err = refused([flag, "--out-dir", str(tmp_path)], monkeypatch, capsys)
+        assert f"{flag} needs the {flag[2:]} package: pip install -r requirements-extras.txt" in err, err
+
+
 def test_wandb_without_a_login_is_refused_and_offline_is_not(monkeypatch, capsys, tmp_path):
+    pytest.importorskip("wandb")  # requirements-extras.txt
     for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DISABLED", "WANDB_IDENTITY_TOKEN_FILE", "NETRC"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc

@@ -76,7 +76,7 @@ BAD = [
     (["--kl-scale", "exact"], "--kl-scale 'exact' is not one of diffusion, step"),
     (["--minibatches", "random"], "--minibatches 'random' is not one of samples, groups"),
     (["--drop-zero-advantage"], "--drop-zero-advantage keeps the samples of nonzero batch advantage"),
-    (["--seed", "-1"], "--seed -1 must be in [0, 4194304)"),
+    (["--seed", "-1"], "--seed must be an integer in [0, 4194303]"),
     (["--prompt-file", "{few}", "--eval-split", "test"], "--eval-split test, but the prompts (text file) have no "
                                                          "held-out split"),
 ]

@@ -9,6 +9,8 @@ checked against the rules that keep the GPU path equal to the tested one:
 Three layouts: R=1 K=2 with FSDP + TAG + TCSS, colocated on 2 ranks, R=2 K=1. In the first, TAG and TCSS act
 at scripted moments (tests/inject/scripted_schedule.py), so their traffic is in the record on any machine: the
 test checks from the run's metrics that both ran (a layout named for them that never ran them proved nothing).
+The same record gives the blocking points of these layouts: each must be a row of the stall-and-slow matrix
+(tests/stall_matrix.py, tests/test_stall_matrix.py).
 """
 import json
 import os
@@ -21,7 +23,8 @@ from conftest import ROOT, read_metrics, run_main
 pytestmark = pytest.mark.timeout(600)
 
 sys.path.insert(0, os.path.join(ROOT, "tests", "inject"))
-from comm_check import violations  # noqa: E402  (the rules, shared with tools/gpu_session.sh)
+from comm_check import calls, violations  # noqa: E402  (the rules, shared with tools/gpu_session.sh)
+import stall_matrix  # noqa: E402
 
 
 LAYOUTS = {
@@ -63,7 +66,7 @@ def test_the_tag_and_tcss_layout_ran_tag_and_tcss(recorded):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_distributed_call_keeps_the_contract(recorded, layout):
-    rows = recorded[layout]
+    rows = calls(recorded[layout])
     assert not violations(rows), "\n".join(violations(rows)[:20])
     # The recorder saw the traffic that matters, so an empty violation list means something.
     planes = {(r["plane"], r["main_thread"]) for r in rows}
@@ -75,10 +78,26 @@ def test_every_distributed_call_keeps_the_contract(recorded, layout):
 
 
 def test_fsdp_collectives_and_the_gradient_all_reduce_are_recorded(recorded):
-    fsdp = [r for r in recorded["fsdp_tag_tcss_r1_k2"] if r["plane"] == "compute"]
+    fsdp = [r for r in calls(recorded["fsdp_tag_tcss_r1_k2"]) if r["plane"] == "compute"]
     assert any("fsdp" in r["file"] for r in fsdp)  # FSDP2's all-gathers / reduce-scatters went through
-    colocated = [r for r in recorded["colocated_2"] if r["plane"] == "compute"]
+    colocated = [r for r in calls(recorded["colocated_2"]) if r["plane"] == "compute"]
     assert any(r["function"] == "all_reduce_gradients" for r in colocated)
+
+
+def test_every_blocking_point_of_these_layouts_is_a_row_of_the_stall_and_slow_matrix(recorded):
+    """Catches a collective or a wait added without its row in the matrix (so without a test that a rank stalled
+    there is found and named, and one slowed there is not killed), one outside any named phase (liveness could
+    only say "outside any named phase"), and a row whose point no longer exists (a renamed phase)."""
+    points, unnamed = {}, []
+    for layout in LAYOUTS:
+        found, outside = stall_matrix.blocking_points(recorded[layout])
+        points.update(found)
+        unnamed += outside
+    assert not unnamed, f"blocking calls outside any named phase: {unnamed}"
+    missing = {p: what for p, what in points.items() if p not in stall_matrix.ROWS}
+    assert not missing, f"blocking points without a row in tests/stall_matrix.py ROWS: {missing}"
+    # Every row is a point of these layouts but resuming (the matrix's own slow run records that one).
+    assert set(stall_matrix.ROWS) - set(points) == {"resume"}, set(stall_matrix.ROWS) - set(points)
 
 
 def test_the_checker_flags_each_broken_rule():

@@ -200,3 +200,21 @@ def test_full_fine_tuning_gets_its_own_learning_rate_and_the_tiny_pipelines_thei
     assert "full fine-tuning" in presets.describe(cfg)
     tiny = config.resolve(config.parse_args([]))
     assert (tiny.prompts_per_step, tiny.beta, tiny.weight_decay, tiny.sample_batch_size) == (3, 0.0, 0.0, 0)
+
+
+def test_a_preset_sample_batch_size_fits_a_small_fragment_and_a_given_one_is_checked(tiny_cache):
+    """Catches the published --sample-batch-size (FLUX: 3) refusing a small run that never set it: with
+    --group-size 2 and one group per fragment (tools/gpu_session.sh's part d) validation said "3 does not divide
+    a fragment's 2 trajectories" (found by rehearsing that part). An unset one becomes the largest divisor of the
+    fragment at most the published value; one given on the command line is still refused when it does not divide."""
+    args = ["--pretrained", models.tiny_pipeline_path("flux"), "--group-size", "2", "--prompts-per-step", "2"]
+    cfg = config.resolve(config.parse_args(args))
+    config.validate(cfg, 2)
+    assert cfg.sample_batch_size == 2
+    six = config.resolve(config.parse_args([*args[:2], "--group-size", "6", "--prompts-per-step", "2"]))
+    assert six.sample_batch_size == 3  # the published value where it divides
+    five = config.resolve(config.parse_args([*args[:2], "--group-size", "5", "--prompts-per-step", "2"]))
+    assert five.sample_batch_size == 1
+    given = config.resolve(config.parse_args([*args, "--sample-batch-size", "3"]))
+    with pytest.raises(ValueError, match="--sample-batch-size 3 does not divide a fragment's 2 trajectories"):
+        config.validate(given, 2)

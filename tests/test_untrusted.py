@@ -13,8 +13,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 import rewards
+from infra.liveness import Liveness
 from infra.progress import Progress
 from rewards import REWARDS, RemoteRewardError
 from rewards.remote import MAX_ANSWER_BYTES, call_deadline_s
@@ -214,14 +216,26 @@ def test_a_reward_call_is_excused_from_liveness_only_up_to_its_deadline():
     assert rewards.build_reward("remote=1,color=1", options).deadline_s(torch.zeros(2, 3, 8, 8)) is None  # unbounded
     progress = Progress()
     progress.start()
+    watch = Liveness(dist.HashStore(), 0, ["rollout"], timeout_s=5.0, progress=progress, excused_timeout_s=10.0)
+    t0 = time.monotonic()
     with progress.excused("reward", up_to_s=3600):
-        assert progress.is_excused()
+        watch._publish_progress(t0 + 100)  # past --excused-timeout-s but within the call's stated bound
+        assert progress.ticks == 1
         with progress.excused("reward", up_to_s=0):  # the earliest end counts
-            assert not progress.is_excused()
-        assert progress.is_excused()
-    assert not progress.is_excused()
-    with progress.excused("reward"):  # no bound: a local function runs as long as it takes
-        assert progress.is_excused()
+            watch._publish_progress(t0 + 101)
+            assert progress.ticks == 1
+        watch._publish_progress(t0 + 102)
+        assert progress.ticks == 2
+        watch._publish_progress(t0 + 3700)  # past the stated bound: a hung server is a stall
+        assert progress.ticks == 2
+    watch._publish_progress(t0 + 3701)
+    assert progress.ticks == 2  # outside any excused section nothing moves
+    t1 = time.monotonic()
+    with progress.excused("reward"):  # no stated bound (a local function): --excused-timeout-s
+        watch._publish_progress(t1 + 9)
+        assert progress.ticks == 3
+        watch._publish_progress(t1 + 11)
+        assert progress.ticks == 3
 
 
 # ---------------------------------------------------------------- a run folder's files choose no code
@@ -493,6 +507,7 @@ def test_a_neighbour_cannot_steer_the_job_through_its_store_and_a_resume_redoes_
 
     import torch.distributed as dist
     from conftest import ROOT, rank_pids, read_metrics, run_main
+    pytest.importorskip("tensorboard")  # --tensorboard: requirements-extras.txt
     args = ["--mode", "digenrl", "--prompts-per-step", "2", "--group-size", "2", "--num-steps", "3", "--eval-every",
             "0", "--timeout-s", "60", "--no-trace", "--steps", "6", "--save-every", "2", "--tensorboard"]
     env = dict(os.environ, DIGENRL_CACHE=tiny_cache, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")

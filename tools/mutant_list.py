@@ -54,6 +54,9 @@ DANCE_GRADIENT = TERMS + "test_dance_grpo_step_gradient_is_autograd_on_dance_grp
 DANCE_E2E = "tests/test_family_rl.py::test_dance_grpo_hunyuanvideo_two_steps_with_an_animated_eval"
 FAILURE = "tests/test_failure_paths.py::test_a_failing_thread_ends_the_rollout_main_thread_with_its_name"
 SCALE = "tests/test_resume_scale.py::"
+LIVENESS_UNIT = "tests/test_liveness.py::"
+MATRIX = "tests/test_stall_matrix.py::"
+STALL = MATRIX + "test_a_rank_stalled_at_a_blocking_point_ends_the_job_naming_it"
 FLUX_PIPELINE = "tests/test_families.py::test_flux_velocity_reproduces_flux_pipelines_own_sampling"
 INDEPENDENT = TRUTH + "test_the_fragment_and_the_trainers_log_probs_are_what_an_independent_sampler_gives"
 SD3 = "tests/test_sd3.py::"
@@ -309,9 +312,11 @@ MUTANTS = [
       "gradient clipping disabled", CLIPPING),
     M("trainer-clip-before-all-reduce", "trainer.py",
       "        self.all_reduce_gradients()\n"
+      "        self._bump()\n"
       "        with self._inside(\"grad-norm all-reduce\"):\n"
       "            # the global norm\n"
       "            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)",
+      "        self._bump()\n"
       "        with self._inside(\"grad-norm all-reduce\"):\n"
       "            # the global norm\n"
       "            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.max_grad_norm)\n"
@@ -535,8 +540,8 @@ MUTANTS = [
       "if c.tag and not (c.gap and c.tsp):", "if c.tag and not c.gap:",
       "--tag accepted without --tsp", bad_input("--placement disaggregated --gap --tag")),
     M("config-max-grad-norm-unchecked", "config.py",
-      'for name in ("lr", "clip_range", "max_grad_norm", "timeout_s", "adv_clip"):',
-      'for name in ("lr", "clip_range", "timeout_s", "adv_clip"):',
+      'for name in ("lr", "clip_range", "max_grad_norm", "timeout_s", "adv_clip", "stop_grace_s",',
+      'for name in ("lr", "clip_range", "timeout_s", "adv_clip", "stop_grace_s",',
       "--max-grad-norm 0 accepted (every update would be zero)", bad_input("--max-grad-norm 0")),
     M("config-fsdp-tag-quantum", "config.py",
       "c.fsdp and c.tag and c.fragment_groups < trainers", "c.fsdp and c.tag and c.fragment_groups < trainers - 1",
@@ -629,6 +634,41 @@ MUTANTS = [
       "if not p.lora and c.tag and c.fragment_groups < trainers:", "if False:",
       "full fine-tuning plans --fsdp --tag with fragments smaller than K, which config.validate refuses",
       "tests/test_plan.py::test_no_lora_plans_fsdp_and_respects_its_tag_rule"),
+    # liveness (issue 38): the excuse's bound, the stop grace, progress while publishing and resuming
+    M("liveness-excuse-unbounded", "infra/liveness.py",
+      "        if quiet < self.excused_timeout_s:\n", "        if True:\n",
+      "a rank hung while loading, in a reward or writing files is excused for ever: the job never ends",
+      LIVENESS_UNIT + "test_an_excused_section_is_excused_only_for_its_patience_and_not_after_a_stop_request",
+      STALL + "[load the pipeline]"),
+    M("liveness-no-stop-grace", "infra/liveness.py",
+      "        return self.timeout_s if self.asked_at is None else min(self.timeout_s, self.stop_grace_s)",
+      "        return self.timeout_s",
+      "after SIGTERM a stuck job waits --timeout-s (minutes) instead of --stop-grace-s: the scheduler kills it",
+      LIVENESS_UNIT + "test_an_excused_section_is_excused_only_for_its_patience_and_not_after_a_stop_request",
+      MATRIX + "test_sigterm_ends_a_job_stuck_in_an_excused_phase_after_the_grace"),
+    M("publish-no-progress", "trainer.py",
+      "                yield whole_tensor(p)\n            self._bump()\n",
+      "                yield whole_tensor(p)\n",
+      "publishing full weights reports no progress: a healthy job publishing for minutes is killed",
+      MATRIX + "test_every_blocking_point_slowed_to_several_timeouts_the_job_finishes", timeout_s=900),
+    M("start-wait-store-timeout", "infra/jobstore.py",
+      "        self.inner.wait(keys, NO_DEADLINE)", "        self.inner.wait(keys)",
+      "a rank late to 'connect' fails its peers with the store's timeout (--timeout-s), unnamed by liveness",
+      STALL + "[connect]"),
+    M("stated-excuse-ignored", "infra/liveness.py",
+      "        if stated is not None:\n", "        if False:\n",
+      "a remote reward's call is cut at --excused-timeout-s although its own deadline (retries) is longer",
+      "tests/test_untrusted.py::test_a_reward_call_is_excused_from_liveness_only_up_to_its_deadline"),
+    M("resume-not-watched", "main.py",
+      "    r.job.progress.start()  # the loop's work begins (a stop request now waits for a checkpoint)\n"
+      "    if cfg.resume:  # reports progress per tensor loaded\n"
+      "        bookkeeping.resume(trainer, cfg, r.job.progress)\n",
+      "    if cfg.resume:  # reports progress per tensor loaded\n"
+      "        bookkeeping.resume(trainer, cfg, r.job.progress)\n"
+      "    r.job.progress.start()  # the loop's work begins (a stop request now waits for a checkpoint)\n",
+      "a SIGTERM while a trainer resumes exits at once instead of checkpointing after the step (it counts as starting)",
+      STALL + "[resume]", equivalent="resuming is no longer excused whatever the phase: only a SIGTERM during it "
+      "differs (exit at once, the run directory as it was), which no test sends"),
     # --- issue 38: host memory per rank, several nodes -------------------------------------------------------
     M("mailbox-swap-during-publish", "async_policy.py",
       "            while self._filling and self._arrived > self._held_version:", "            while False:",

@@ -13,10 +13,15 @@ COMPUTE_CALLERS = {("trainer.py", "all_reduce_gradients"),  # the only project c
                    ("trainer.py", "whole_tensor")}  # FSDP shards made whole (publish, checkpoint), main thread
 
 
+def calls(rows: list[dict]) -> list[dict]:
+    """The torch.distributed calls of a record (it also holds the project's waits and the phases entered)."""
+    return [row for row in rows if "plane" in row]
+
+
 def violations(rows: list[dict], policy_device: str = "cpu") -> list[str]:
     """Every broken rule, one line each (empty when the run kept the contract)."""
     out = []
-    for row in rows:
+    for row in calls(rows):
         where = (f"rank {row['rank']} thread {row['thread']}: {row['op']} from "
                  f"{os.path.basename(row['file'])}:{row['function']}")
         if row["plane"] == "compute":
@@ -42,7 +47,7 @@ def read_record(folder: str) -> list[dict]:
 if __name__ == "__main__":
     folder = sys.argv[1]
     device = sys.argv[sys.argv.index("--policy-device") + 1] if "--policy-device" in sys.argv else "cpu"
-    rows = read_record(folder)
+    rows = calls(read_record(folder))
     found = violations(rows, device)
     planes = sorted({(r["plane"], r["devices"][0] if r["devices"] else "-") for r in rows})
     print(f"comm contract: {len(rows)} calls recorded, planes/devices {planes}, {len(found)} violations")
