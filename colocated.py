@@ -4,10 +4,11 @@ batch, then every rank trains it, one update per minibatch, gradients summed ove
     python main.py --mode colocated --nproc 2
 
 No queue and no pipeline. A rank's share is static: a contiguous 1/P of every minibatch
-(gap.minibatch_bounds), so every rank trains in every update, as each Flow-GRPO GPU splits its
+(grpo.minibatch_bounds), so every rank trains in every update, as each Flow-GRPO GPU splits its
 own samples into the M minibatches. It is generated `fragment_groups` groups per call (Flow-GRPO's
 sample.batch_size); a call may join pieces of two minibatches, and its rows are cut back into one
-fragment per range (`split_rows`). Training is GAP's trainer side (gap.TrainerSide): the other
+fragment per range (`split_rows`). Training is the trainer rank's step (trainer.TrainerSide): the
+other
 ranks' ranges come in as announcements, so every rank sees the same minibatch boundaries and the
 update is the full-batch one.
 """
@@ -16,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from gap import Announcement, Fragment, FragmentSpec, TrainerSide
+from gap import Announcement, Fragment, FragmentSpec
+from trainer import TrainerSide
 
 Ranges = list[tuple[int, int]]  # (first_group, num_groups) ranges of one step
 

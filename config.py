@@ -17,7 +17,7 @@ import re
 from typing import Optional
 
 import gap
-import presets
+from flowgrpo import presets
 from infra.saved_config import renamed_fields
 
 MODES = {
@@ -124,11 +124,6 @@ class Config:
                                  "(the reference)")
     tag: Optional[bool] = field(None, "TAG: an idle trainer generates fragments itself when "
                                 "the predictor says the step ends sooner")
-    tag_part_groups: bool = field(
-        False, "TAG may claim part of a group (a rollout rank generates the rest; advantages wait "
-        "for the joined group): the trainers' idle time is filled in trajectories, not groups, at "
-        "the cost of one partial fragment per claim. Needs --tag and --updates-per-batch 1 (a "
-        "group's members must come from one set of weights)")
     use_tcss: Optional[bool] = field(
         None, "TCSS: rollout may generate the next batch with weights one version old (--async is "
         "accepted too)", flag="tcss", aliases=("async",))
@@ -780,10 +775,6 @@ def _check_placement(c: Config, world_size: int) -> None:
     if c.tag and not (c.gap and c.tsp):
         _bad("--tag needs --gap and --tsp (the trainer group generates while it waits for streamed "
              "fragments, then trains them spread over all trainers)")
-    if c.tag_part_groups and not (c.tag and c.updates_per_batch == 1):
-        _bad(f"--tag-part-groups needs --tag and --updates-per-batch 1 (got --tag {c.tag}, "
-             f"--updates-per-batch {c.updates_per_batch}): an update inside the step would "
-             "generate the two parts of a group with different weights")
 
 
 def _check_inputs(c: Config, family, world_size: int) -> None:

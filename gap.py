@@ -5,16 +5,14 @@ Paper: DigenRL, "generation-axis pipeline" (docs/DESIGN.md sections 4-5). A batc
 samples is cut into fragments: contiguous ranges of whole groups. Ranks claim ranges from an atomic
 counter of trajectories in a torch.distributed store (compare-and-set): rollout ranks take
 `fragment_groups` groups at a time, so fast ranks take more, and an idle trainer can take a share
-(TAG, tag.py), part of a group too (then the next rollout claim is the rest of that group, and the
-trainers join the parts before training them: tag.whole_groups).
+(TAG, tag.py).
 A trajectory's prompt and noise seeds depend only on (seed, step, its global index in the batch), so
 a fragment yields the same trajectories whichever rank generates it and however the batch is cut.
 A finished fragment is announced in the store (sequence number -> producer, groups, destination),
 so the trainer knows whom to receive from without any-source receives (NCCL has none), then sent
 point to point over gloo: a fixed-size int64 header, then one uint8 buffer with every tensor's
-bytes. The trainer side is `trainer_loop`: train each fragment as it arrives (GAP) or after the
-whole batch (the naive barrier), with M updates per batch at fixed group boundaries
-(`train_in_minibatches`).
+bytes. The trainer trains each fragment as it arrives (GAP) or after the whole batch (the naive
+barrier): main.py's trainer loop; Flow-GRPO's M updates per batch are grpo.py's.
 
 Invariant: the update from fragments consumed as they arrive equals the full-batch update (allclose
 in float32): every (sample, timestep) pair carries weight 1/(N T_train) and gradients add.
@@ -22,7 +20,8 @@ in float32): every (sample, timestep) pair carries weight 1/(N T_train) and grad
 Departures from the paper: claiming is pull-based through the store (the paper schedules centrally);
 advantages are normalised per group so that a fragment is self-contained.
 
-Try it: `python3 gap.py` (alone, fake ranks: fragments trained as they arrive); in a run,
+Try it: `python3 gap.py` (alone, a scripted clock: which fragment trains while which is generated);
+in a run,
 `python main.py --placement disaggregated --gap` (or `--mode digenrl`); without `--gap` the
 trainer receives the whole batch before training (`--mode naive`).
 Only torch and the standard library are imported: this file can be copied into another codebase.
@@ -32,8 +31,241 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator
+from typing import NamedTuple
 
 import torch
+
+
+# --- the idea: the rollout side claims, generates, announces, sends; the trainer takes each as it
+# arrives (main.py's trainer loop); every pair weighs 1/(N T_train), so any order gives one update
+def rollout_loop(*, rank: int, steps: range, queue: FragmentQueue, fragment_groups: int,
+                 generate: Callable[..., Fragment],
+                 send: Callable[[Fragment, int], None], destination_of: Callable[[int], int],
+                 weights) -> None:
+    """A rollout rank: per step, claim `fragment_groups` groups at a time until none are left;
+    generate each claim with generate(step, first_group, num_groups, version), announce it, send
+    it to its destination (the next generation starts at once: `send` queues). `weights`
+    (async_policy.RolloutWeights) says which version generates and when new weights come in: only
+    ever between fragments, and whether to generate ahead (TCSS)."""
+
+    def produce(step: int, claimed: Claim, ahead: bool = False) -> None:
+        version = weights.version(step, ahead)
+        fragment = generate(step, claimed.first_group, claimed.num_groups, version)
+        _, dst = queue.announce(step, fragment.first_group, fragment.num_groups, rank,
+                                destination_of)
+        send(fragment, dst)
+
+    def produce_ahead(step: int, claimed: Claim) -> None:
+        produce(step, claimed, ahead=True)
+
+    def claim(step: int) -> Claim | None:
+        return queue.claim(step, fragment_groups)
+
+    for step in steps:
+        weights.wait_for(step)
+        for claimed in claims(queue, step, fragment_groups, before_each=weights.between_fragments):
+            produce(step, claimed)
+        weights.after_claims(step, steps.stop - 1, claim, produce_ahead)  # TCSS: generate ahead
+
+
+def claims(queue: FragmentQueue, step: int, fragment_groups: int,
+           before_each: Callable[[], object] = lambda: None) -> Iterator[Claim]:
+    """Claim `fragment_groups` groups of `step` at a time until none are left; each claim is
+    generated and streamed before the next one is taken."""
+    while True:
+        before_each()  # e.g. swap in new weights: only ever between fragments
+        claimed = queue.claim(step, fragment_groups)
+        if claimed is None:
+            return
+        yield claimed
+
+
+# --- the trainer side: receive and train as fragments arrive --------------------------------------
+def dealt_fragments(queue: FragmentQueue, step: int, fragments_per_step: int, trainer_index: int,
+                    num_trainers: int, receive: Callable[[Announcement], Fragment],
+                    wait: Callable[[int, int], Announcement] | None = None
+                    ) -> Iterable[Fragment | Announcement]:
+    """Without TSP: trainer k of K receives announcements k, k + K, ... and trains whole fragments.
+    The other trainers' announcements are yielded as they are (no data): they tell which groups are
+    in, which is when a minibatch is complete (grpo.train_in_minibatches). `wait(step, seq)`: how
+    to wait for an announcement (queue.wait unless given)."""
+    wait = wait or queue.wait
+    for seq in range(fragments_per_step):
+        announcement = wait(step, seq)
+        yield receive(announcement) if seq % num_trainers == trainer_index else announcement
+
+
+# --- the 1/(N T_train) weighting ------------------------------------------------------------------
+def total_pairs(groups_per_step: int, group_size: int, num_train_timesteps: int) -> int:
+    """N T_train: the (sample, timestep) pairs of one whole batch."""
+    return groups_per_step * group_size * num_train_timesteps
+
+
+def pair_weights(mask: torch.Tensor, num_pairs: int) -> torch.Tensor:
+    """Each real pair's loss weight 1/(N T_train) (0 for padding): whichever rank trains whichever
+    pair, in whatever packing and order, the summed gradient is the full-batch mean's gradient."""
+    return mask / num_pairs  # [p]
+
+
+# --- the fragment queue (claims and announcements in a torch.distributed store) --------------
+@dataclasses.dataclass
+class Announcement:
+    producer: int
+    first_group: int
+    num_groups: int
+    destination: int
+
+
+class Claim(NamedTuple):
+    """What a claim took: groups [first_group, first_group + num_groups) of its step."""
+
+    first_group: int
+    num_groups: int
+
+
+_NEVER = "\x00never"  # a value no claim writes
+
+
+class FragmentQueue:
+    """Atomic claims of trajectory ranges and ordered completion announcements, per step.
+
+    The claim counter counts TRAJECTORIES (TAG's predictor reads it so), advanced by
+    compare-and-set; every claim is whole groups: a rollout rank's (`claim`) and the TAG leader's
+    (`claim_samples`)."""
+
+    def __init__(self, store, groups_per_step: int, poll_s: float = 0.001, group_size: int = 1):
+        self.store, self.groups_per_step, self.poll_s = store, groups_per_step, poll_s
+        self.group_size = group_size
+        self.samples_per_step = groups_per_step * group_size
+        self._token, self._claims = f"{id(self):x}.{time.time_ns():x}", 0
+        self._seen: dict[int, str] = {}  # step -> the counter's value this rank saw last
+
+    def claim(self, step: int, num_groups: int) -> Claim | None:
+        """The next `num_groups` unclaimed groups of `step` (fewer at the end): a Claim, or None."""
+        return self._advance(step, lambda lo: lo + num_groups * self.group_size)
+
+    def claim_samples(self, step: int, count: int) -> Claim | None:
+        """The next `count` unclaimed trajectories of `step` (fewer at the end): whole groups, so
+        `count` is a multiple of the group size (TAG's leader counts in trajectories)."""
+        if count % self.group_size:
+            raise ValueError(f"a claim of {count} trajectories is not whole groups of "
+                             f"{self.group_size}")
+        return self._advance(step, lambda lo: lo + count)
+
+    def _advance(self, step: int, end_of: Callable[[int], int]) -> Claim | None:
+        """Move the counter from lo to end_of(lo) atomically (store compare_set; a unique value per
+        claim, so two claimers that read the same lo cannot both win). One round trip when nobody
+        claimed since this rank last looked: a failed compare_set answers the current value."""
+        key, current = f"claim/{step}", self._seen.pop(step, "")
+        while True:
+            lo = int(current.split()[0]) if current else 0
+            if lo >= self.samples_per_step:
+                self._seen[step] = current
+                return None
+            hi = min(end_of(lo), self.samples_per_step)
+            self._claims += 1
+            mine = f"{hi} {self._token}.{self._claims}"
+            now = self.store.compare_set(key, current, mine).decode()
+            if now == mine:
+                self._seen = {k: v for k, v in self._seen.items() if k >= step - 2}  # bounded
+                self._seen[step] = mine
+                return Claim(lo // self.group_size, (hi - lo) // self.group_size)
+            current = "" if now == current else now  # answered our guess: the key is not there
+
+    def num_claimed_samples(self, step: int) -> int:
+        """One round trip: a compare_set that never matches answers the value (or, for a missing
+        key, its own expected value)."""
+        now = self.store.compare_set(f"claim/{step}", _NEVER, _NEVER).decode()
+        return 0 if now == _NEVER else int(now.split()[0])
+
+    def announce(self, step: int, first_group: int, num_groups: int, producer: int,
+                 destination_of: Callable[[int], int] | None = None) -> tuple[int, int]:
+        """Publish 'these groups are done by `producer`'; returns (sequence number, destination
+        rank)."""
+        seq = self.store.add(f"done/{step}", 1) - 1
+        destination = destination_of(seq) if destination_of else -1
+        self.store.add(f"done_samples/{step}", num_groups * self.group_size)
+        self.store.set(f"done/{step}/{seq}", f"{producer},{first_group},{num_groups},{destination}")
+        return seq, destination
+
+    def num_announced(self, step: int) -> int:
+        return self.store.add(f"done/{step}", 0)
+
+    def num_announced_samples(self, step: int) -> int:
+        return self.store.add(f"done_samples/{step}", 0)
+
+    def poll(self, step: int, seq: int) -> Announcement | None:
+        key = f"done/{step}/{seq}"
+        if not self.store.check([key]):
+            return None
+        return Announcement(*(int(x) for x in self.store.get(key).decode().split(",")))
+
+    def wait(self, step: int, seq: int) -> Announcement:
+        """Block until announcement `seq` exists: no deadline (a step may take minutes); liveness
+        ends a job whose producer died. Polled, so the store connection is never held by a blocking
+        wait."""
+        while (found := self.poll(step, seq)) is None:
+            time.sleep(self.poll_s)
+        return found
+
+    def forget_old(self, step: int) -> None:
+        """At the end of step `step`: every rank is past step - 2 (rollout ranks run at most one
+        ahead)."""
+        if step >= 2:
+            self.forget(step - 2)
+
+    def forget(self, step: int) -> None:
+        """Delete step `step`'s keys once every rank is past it: the store must not grow per
+        step."""
+        announced = range(self.num_announced(step))
+        keys = [f"claim/{step}", f"done/{step}",
+                f"done_samples/{step}"] + [f"done/{step}/{s}" for s in announced]
+        for key in keys:
+            self.store.delete_key(key)
+        self._seen.pop(step, None)
+
+
+# --- batch -> fragments ----------------------------------------------------------------------
+def fragment_spec(seed: int, step: int, first_group: int, num_groups: int, num_prompts_total: int,
+                  groups_per_step: int, group_size: int,
+                  shared_group_noise: bool = False) -> FragmentSpec:
+    """Groups [first_group, first_group + num_groups) of step `step`: prompts and seeds depend only
+    on (seed, step, global trajectory index), so any cut of the batch gives the same
+    trajectories."""
+    # The step's prompts: a seeded permutation, so every rank agrees without communication.
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+    order = torch.randperm(max(num_prompts_total, groups_per_step),
+                           generator=gen) % num_prompts_total
+    groups = order[:groups_per_step][first_group:first_group + num_groups].tolist()
+    prompt_ids = [p for p in groups for _ in range(group_size)]
+    base = (seed * 1_000_003 + step) * 1_000_033
+    first = first_group * group_size  # global index of the fragment's first trajectory in the batch
+    trajectories = range(first, first + len(prompt_ids))
+    noise_seeds = [base + 2 * t + 1 for t in trajectories]
+    if shared_group_noise:  # DanceGRPO: every member of a group starts from the same noise
+        init_seeds = [base + 2 * (t // group_size * group_size) for t in trajectories]
+    else:
+        init_seeds = [base + 2 * t for t in trajectories]
+    return FragmentSpec(step, first_group, prompt_ids, init_seeds, noise_seeds, group_size)
+
+
+SEED_BOUND = 2**63  # derived seeds stay int64 (manual_seed overflows past 2**64 - 1)
+
+
+def largest_seed(steps: int, trajectories_per_step: int) -> int:
+    """The largest run seed whose derived seeds all stay below SEED_BOUND: fragment_spec's
+    base + 2 t + 1 at the last step and trajectory, plus rollout.train_slots' + 7."""
+    # the bound on seed * 1_000_003 + step, then on seed
+    base_limit = (SEED_BOUND - 1 - 2 * trajectories_per_step - 8) // 1_000_033
+    return (base_limit - steps) // 1_000_003
+
+
+def num_fragments(groups_per_step: int, fragment_groups: int) -> int:
+    if fragment_groups < 1 or groups_per_step % fragment_groups:
+        raise ValueError(f"--fragment-groups {fragment_groups} must divide the {groups_per_step} "
+                         "groups of a step")
+    return groups_per_step // fragment_groups
+
 
 @dataclasses.dataclass
 class FragmentSpec:
@@ -74,14 +306,14 @@ class Fragment:
     rewards: torch.Tensor  # [m] the combined reward
     reward_parts: torch.Tensor  # [m, n_rewards] each named reward (for metrics)
     advantages: torch.Tensor  # [m]
-    # > 0: a part of a group (TAG by trajectories): the first trajectory is member `offset` of
-    # first_group; such a part has no advantages until joined (tag.whole_groups)
+    # > 0: a part of a group (one trainer's share of a TAG claim, split by trajectories): the first
+    # trajectory is member `offset` of first_group; no advantages until the shares are joined
     offset: int = 0
     # False for a later part of a fragment split at a minibatch boundary
     opens_fragment: bool = True
-    # > 0: this fragment's rows in one of Flow-GRPO's sample minibatches (sample_minibatches), which
-    # holds that many samples: its pairs weigh 1/(minibatch_samples T_train), and its rewards are
-    # counted with its whole fragment (train_by_samples); not on the wire
+    # > 0: this fragment's rows in one of Flow-GRPO's sample minibatches (grpo.sample_minibatches),
+    # which holds that many samples: its pairs weigh 1/(minibatch_samples T_train), and its rewards
+    # are counted with its whole fragment (grpo.train_by_samples); not on the wire
     minibatch_samples: int = 0
 
     @property
@@ -137,490 +369,6 @@ def concat_fragments(parts: list[Fragment]) -> Fragment:
     return Fragment.from_parts(parts[0].ints(), joined)
 
 
-def rows_of(fragment: Fragment, lo: int, hi: int) -> Fragment:
-    """Trajectories [lo, hi) of the step's batch (inside the fragment's), as a fragment."""
-    g, start = fragment.group_size, fragment.first_sample
-    rows = slice(lo - start, hi - start)
-    ints = fragment.ints()
-    ints[1], ints[5] = lo // g, lo % g  # first_group, offset
-    return Fragment.from_parts(ints, {k: v[rows] for k, v in fragment.tensors().items()})
-
-
-# --- batch -> fragments ----------------------------------------------------------------------
-def fragment_spec(seed: int, step: int, first_group: int, num_groups: int, num_prompts_total: int,
-                  groups_per_step: int, group_size: int,
-                  shared_group_noise: bool = False) -> FragmentSpec:
-    """Groups [first_group, first_group + num_groups) of step `step`: prompts and seeds depend only
-    on (seed, step, global trajectory index), so any cut of the batch gives the same
-    trajectories."""
-    # The step's prompts: a seeded permutation, so every rank agrees without communication.
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    order = torch.randperm(max(num_prompts_total, groups_per_step),
-                           generator=gen) % num_prompts_total
-    groups = order[:groups_per_step][first_group:first_group + num_groups].tolist()
-    prompt_ids = [p for p in groups for _ in range(group_size)]
-    base = (seed * 1_000_003 + step) * 1_000_033
-    first = first_group * group_size  # global index of the fragment's first trajectory in the batch
-    trajectories = range(first, first + len(prompt_ids))
-    noise_seeds = [base + 2 * t + 1 for t in trajectories]
-    if shared_group_noise:  # DanceGRPO: every member of a group starts from the same noise
-        init_seeds = [base + 2 * (t // group_size * group_size) for t in trajectories]
-    else:
-        init_seeds = [base + 2 * t for t in trajectories]
-    return FragmentSpec(step, first_group, prompt_ids, init_seeds, noise_seeds, group_size)
-
-
-SEED_BOUND = 2**63  # derived seeds stay int64 (manual_seed overflows past 2**64 - 1)
-
-
-def largest_seed(steps: int, trajectories_per_step: int) -> int:
-    """The largest run seed whose derived seeds all stay below SEED_BOUND: fragment_spec's
-    base + 2 t + 1 at the last step and trajectory, plus rollout.train_slots' + 7."""
-    # the bound on seed * 1_000_003 + step, then on seed
-    base_limit = (SEED_BOUND - 1 - 2 * trajectories_per_step - 8) // 1_000_033
-    return (base_limit - steps) // 1_000_003
-
-
-def num_fragments(groups_per_step: int, fragment_groups: int) -> int:
-    if fragment_groups < 1 or groups_per_step % fragment_groups:
-        raise ValueError(f"--fragment-groups {fragment_groups} must divide the {groups_per_step} "
-                         "groups of a step")
-    return groups_per_step // fragment_groups
-
-
-# --- the fragment queue (claims and announcements in a torch.distributed store) --------------
-@dataclasses.dataclass
-class Announcement:
-    producer: int
-    first_group: int
-    num_groups: int
-    destination: int
-
-
-class Claim(tuple):
-    """What a claim took: groups [first_group, first_group + num_groups) of its step, or only
-    trajectories `part` = (lo, hi) of them (indices within the range; None: all of it)."""
-
-    def __new__(cls, first_group: int, num_groups: int, part: tuple[int, int] | None = None):
-        return super().__new__(cls, (first_group, num_groups) if part is None
-                               else (first_group, num_groups, part))
-
-    first_group = property(lambda self: self[0])
-    num_groups = property(lambda self: self[1])
-    part = property(lambda self: self[2] if len(self) > 2 else None)
-
-
-def claim_of(lo: int, hi: int, group_size: int) -> Claim:
-    """Trajectories [lo, hi) of a step as a Claim: whole groups, or the groups they touch and a
-    part."""
-    first, last = lo // group_size, -(-hi // group_size)
-    whole = lo % group_size == 0 and hi % group_size == 0
-    return Claim(first, last - first, None if whole else (lo - first * group_size,
-                                                          hi - first * group_size))
-
-
-_NEVER = "\x00never"  # a value no claim writes
-
-
-class FragmentQueue:
-    """Atomic claims of trajectory ranges and ordered completion announcements, per step.
-
-    The claim counter counts TRAJECTORIES, advanced by compare-and-set: a rollout rank's claim ends
-    on a group boundary (`claim`: whole groups, or the rest of a group TAG took part of), the TAG
-    leader's may end anywhere (`claim_samples`). Without part claims every claim is whole groups."""
-
-    def __init__(self, store, groups_per_step: int, poll_s: float = 0.001, group_size: int = 1):
-        self.store, self.groups_per_step, self.poll_s = store, groups_per_step, poll_s
-        self.group_size = group_size
-        self.samples_per_step = groups_per_step * group_size
-        self._token, self._claims = f"{id(self):x}.{time.time_ns():x}", 0
-        self._seen: dict[int, str] = {}  # step -> the counter's value this rank saw last
-
-    def claim(self, step: int, num_groups: int) -> Claim | None:
-        """The next `num_groups` unclaimed groups of `step` (fewer at the end): a Claim, or None.
-        When TAG took the first part of a group, this claim is the rest of that group and the
-        groups after it, at most `num_groups` groups' trajectories."""
-        g = self.group_size
-        return self._advance(step, lambda lo: lo // g * g + num_groups * g)
-
-    def claim_samples(self, step: int, count: int) -> Claim | None:
-        """The next `count` unclaimed trajectories of `step` (fewer at the end), part of a group
-        maybe (TAG by trajectories)."""
-        return self._advance(step, lambda lo: lo + count)
-
-    def _advance(self, step: int, end_of: Callable[[int], int]) -> Claim | None:
-        """Move the counter from lo to end_of(lo) atomically (store compare_set; a unique value per
-        claim, so two claimers that read the same lo cannot both win). One round trip when nobody
-        claimed since this rank last looked: a failed compare_set answers the current value."""
-        key, current = f"claim/{step}", self._seen.pop(step, "")
-        while True:
-            lo = int(current.split()[0]) if current else 0
-            if lo >= self.samples_per_step:
-                self._seen[step] = current
-                return None
-            hi = min(end_of(lo), self.samples_per_step)
-            self._claims += 1
-            mine = f"{hi} {self._token}.{self._claims}"
-            now = self.store.compare_set(key, current, mine).decode()
-            if now == mine:
-                self._seen = {k: v for k, v in self._seen.items() if k >= step - 2}  # bounded
-                self._seen[step] = mine
-                return claim_of(lo, hi, self.group_size)
-            current = "" if now == current else now  # answered our guess: the key is not there
-
-    def num_claimed_samples(self, step: int) -> int:
-        """One round trip: a compare_set that never matches answers the value (or, for a missing
-        key, its own expected value)."""
-        now = self.store.compare_set(f"claim/{step}", _NEVER, _NEVER).decode()
-        return 0 if now == _NEVER else int(now.split()[0])
-
-    def announce(self, step: int, first_group: int, num_groups: int, producer: int,
-                 destination_of: Callable[[int], int] | None = None,
-                 samples: int | None = None) -> tuple[int, int]:
-        """Publish 'these groups are done by `producer`' (`samples` trajectories of them, for a
-        part); returns (sequence number, destination rank)."""
-        seq = self.store.add(f"done/{step}", 1) - 1
-        destination = destination_of(seq) if destination_of else -1
-        count = num_groups * self.group_size if samples is None else samples
-        self.store.add(f"done_samples/{step}", count)
-        self.store.set(f"done/{step}/{seq}", f"{producer},{first_group},{num_groups},{destination}")
-        return seq, destination
-
-    def num_announced(self, step: int) -> int:
-        return self.store.add(f"done/{step}", 0)
-
-    def num_announced_samples(self, step: int) -> int:
-        return self.store.add(f"done_samples/{step}", 0)
-
-    def poll(self, step: int, seq: int) -> Announcement | None:
-        key = f"done/{step}/{seq}"
-        if not self.store.check([key]):
-            return None
-        return Announcement(*(int(x) for x in self.store.get(key).decode().split(",")))
-
-    def wait(self, step: int, seq: int) -> Announcement:
-        """Block until announcement `seq` exists: no deadline (a step may take minutes); liveness
-        ends a job whose producer died. Polled, so the store connection is never held by a blocking
-        wait."""
-        while (found := self.poll(step, seq)) is None:
-            time.sleep(self.poll_s)
-        return found
-
-    def forget_old(self, step: int) -> None:
-        """At the end of step `step`: every rank is past step - 2 (rollout ranks run at most one
-        ahead)."""
-        if step >= 2:
-            self.forget(step - 2)
-
-    def forget(self, step: int) -> None:
-        """Delete step `step`'s keys once every rank is past it: the store must not grow per
-        step."""
-        announced = range(self.num_announced(step))
-        keys = [f"claim/{step}", f"done/{step}",
-                f"done_samples/{step}"] + [f"done/{step}/{s}" for s in announced]
-        for key in keys:
-            self.store.delete_key(key)
-        self._seen.pop(step, None)
-
-
-# --- the 1/(N T_train) weighting ------------------------------------------------------------------
-def total_pairs(groups_per_step: int, group_size: int, num_train_timesteps: int) -> int:
-    """N T_train: the (sample, timestep) pairs of one whole batch."""
-    return groups_per_step * group_size * num_train_timesteps
-
-
-def pair_weights(mask: torch.Tensor, num_pairs: int) -> torch.Tensor:
-    """Each real pair's loss weight 1/(N T_train) (0 for padding): whichever rank trains whichever
-    pair, in whatever packing and order, the summed gradient is the full-batch mean's gradient."""
-    return mask / num_pairs  # [p]
-
-
-# --- the rollout side: claim, generate, announce, send --------------------------------------------
-class FixedWeights:
-    """The rollout side's weights when nothing publishes new ones (one process, the demo): always
-    version `step`. tcss.RolloutWeights is the real one (a mailbox, swaps between fragments,
-    generate-ahead)."""
-
-    def wait_for(self, step: int) -> None:
-        pass
-
-    def between_fragments(self) -> None:
-        pass
-
-    def version(self, step: int, ahead: bool) -> int:
-        return step
-
-    def after_claims(self, step: int, last_step: int,
-                     claim: Callable[[int], tuple[int, int] | None],
-                     produce: Callable[[int, tuple[int, int]], None]) -> None:
-        pass
-
-
-def rollout_loop(*, rank: int, steps: range, queue: FragmentQueue, fragment_groups: int,
-                 generate: Callable[..., Fragment],
-                 send: Callable[[Fragment, int], None], destination_of: Callable[[int], int],
-                 weights=None) -> None:
-    """A rollout rank: per step, claim `fragment_groups` groups at a time until none are left;
-    generate each claim with generate(step, first_group, num_groups, version, part) (part: the
-    rest of a group TAG took part of, else None), announce it, send it to its destination (the
-    next generation starts at once: `send` queues). `weights` (FixedWeights,
-    tcss.RolloutWeights) says which version generates and when new weights come in: only ever
-    between fragments."""
-    weights = weights if weights is not None else FixedWeights()
-
-    def produce(step: int, claimed: Claim, ahead: bool = False) -> None:
-        version = weights.version(step, ahead)
-        fragment = generate(step, claimed.first_group, claimed.num_groups, version, claimed.part)
-        _, dst = queue.announce(step, fragment.first_group, fragment.num_groups, rank,
-                                destination_of, samples=fragment.num_samples)
-        send(fragment, dst)
-
-    def produce_ahead(step: int, claimed: Claim) -> None:
-        produce(step, claimed, ahead=True)
-
-    def claim(step: int) -> Claim | None:
-        return queue.claim(step, fragment_groups)
-
-    for step in steps:
-        weights.wait_for(step)
-        for claimed in claims(queue, step, fragment_groups, before_each=weights.between_fragments):
-            produce(step, claimed)
-        weights.after_claims(step, steps.stop - 1, claim, produce_ahead)  # TCSS: generate ahead
-
-
-def claims(queue: FragmentQueue, step: int, fragment_groups: int,
-           before_each: Callable[[], object] = lambda: None) -> Iterator[Claim]:
-    """Claim `fragment_groups` groups of `step` at a time until none are left; each claim is
-    generated and streamed before the next one is taken."""
-    while True:
-        before_each()  # e.g. swap in new weights: only ever between fragments
-        claimed = queue.claim(step, fragment_groups)
-        if claimed is None:
-            return
-        yield claimed
-
-
-# --- the trainer side: receive and train as fragments arrive --------------------------------------
-def dealt_fragments(queue: FragmentQueue, step: int, fragments_per_step: int, trainer_index: int,
-                    num_trainers: int, receive: Callable[[Announcement], Fragment],
-                    wait: Callable[[int, int], Announcement] | None = None
-                    ) -> Iterable[Fragment | Announcement]:
-    """Without TSP: trainer k of K receives announcements k, k + K, ... and trains whole fragments.
-    The other trainers' announcements are yielded as they are (no data): they tell which groups are
-    in, which is when a minibatch is complete (train_in_minibatches). `wait(step, seq)`: how to
-    wait for an announcement (queue.wait unless given)."""
-    wait = wait or queue.wait
-    for seq in range(fragments_per_step):
-        announcement = wait(step, seq)
-        yield receive(announcement) if seq % num_trainers == trainer_index else announcement
-
-
-# --- several updates per batch: minibatches of whole groups, fixed before the batch is generated --
-def minibatch_bounds(groups_per_step: int, updates: int) -> list[tuple[int, int]]:
-    """Update j of a step trains groups [lo_j, hi_j): M contiguous ranges of the batch's groups,
-    sizes within one group of each other (lo_j = j B // M). The step's prompts are a seeded
-    permutation (fragment_spec), so a range is a random subset of prompts."""
-    if not 1 <= updates <= groups_per_step:
-        raise ValueError(f"--updates-per-batch {updates} must be between 1 and the "
-                         f"{groups_per_step} groups of a step (a minibatch is whole groups)")
-    cuts = [j * groups_per_step // updates for j in range(updates + 1)]
-    return list(zip(cuts[:-1], cuts[1:]))
-
-
-def minibatch_pairs(bounds: list[tuple[int, int]], group_size: int, num_train_timesteps: int,
-                    fragment: Fragment) -> int:
-    """N_j T_train: the pairs of the minibatch `fragment` (a part of one) lies in; each update's
-    loss is its minibatch's mean, as Flow-GRPO's (with M = 1, the batch's N T_train)."""
-    if fragment.minibatch_samples:  # rows of a sample minibatch (train_by_samples)
-        return fragment.minibatch_samples * num_train_timesteps
-    lo, hi = next(b for b in bounds if b[0] <= fragment.first_group < b[1])
-    return (hi - lo) * group_size * num_train_timesteps
-
-
-# --- Flow-GRPO's minibatches: the step's samples permuted, zero advantages dropped ----------------
-def minibatch_seed(seed: int, step: int) -> int:
-    """The generator seed of a step's sample minibatches: every trainer draws the same ones."""
-    return (seed * 1_000_003 + step) * 1_000_033 + 999_983
-
-
-def sample_minibatches(total: int, updates: int, seed: int,
-                       keep: torch.Tensor | None = None) -> list[list[int]]:
-    """Flow-GRPO's minibatches (scripts/train_sd3.py lines 796-840) of a step's `total` samples:
-    M = `updates` lists of sample indices (in the batch), from a torch.Generator seeded `seed`.
-    keep [total] bool (train_sd3.py's mask: advantage != 0; None = every sample): as it does,
-    if the kept count is not a multiple of M, M - count % M dropped samples chosen at random are put
-    back (when there are that many; its unit is num_batches_per_epoch per GPU, here M for the
-    batch); then the kept samples are permuted and cut into M consecutive parts (sizes within one
-    when M does not divide them, where its reshape would fail)."""
-    gen = torch.Generator().manual_seed(seed)
-    mask = torch.ones(total, dtype=torch.bool) if keep is None else keep.clone().bool()
-    kept = int(mask.sum())
-    if kept % updates:  # lines 801-808: make the count divisible
-        false_indices = torch.where(~mask)[0]
-        num_to_change = updates - kept % updates
-        if len(false_indices) >= num_to_change:
-            chosen = torch.randperm(len(false_indices), generator=gen)[:num_to_change]
-            mask[false_indices[chosen]] = True
-    indices = torch.where(mask)[0]  # line 817: samples[mask], in batch order
-    perm = torch.randperm(len(indices), generator=gen)  # line 829
-    order = indices[perm].tolist()
-    cuts = [j * len(order) // updates for j in range(updates + 1)]  # lines 833-836
-    return [order[cuts[j]:cuts[j + 1]] for j in range(updates)]
-
-
-def rows_in(fragment: Fragment, members: dict[int, int], j: int, size: int) -> Fragment | None:
-    """The rows of `fragment` whose batch index `members` puts in minibatch j (of `size` samples),
-    as a fragment marked with its minibatch's size (minibatch_samples); None when it has none."""
-    start = fragment.first_sample
-    rows = [r for r in range(fragment.num_samples) if members.get(start + r) == j]
-    if not rows:
-        return None
-    index = torch.tensor(rows, dtype=torch.long)
-    part = Fragment.from_parts(fragment.ints(),
-                               {k: v[index.to(v.device)] for k, v in fragment.tensors().items()})
-    part.opens_fragment, part.minibatch_samples = False, size
-    return part
-
-
-def train_by_samples(fragments: list[Fragment], minibatches: list[list[int]],
-                     train: Callable[[Fragment], None], update: Callable[[int], object],
-                     count: Callable[[Fragment], None]) -> None:
-    """Train a step's fragments (all of this rank's, in hand) in Flow-GRPO's sample minibatches
-    (sample_minibatches, the same on every trainer): each whole fragment counted once, then for each
-    minibatch j the rows of every fragment in it, and an update after each but the last (the
-    caller's optimizer step ends the RL step). A dropped sample is in no minibatch: never
-    trained."""
-    members = {i: j for j, indices in enumerate(minibatches) for i in indices}
-    for fragment in fragments:
-        count(fragment)
-    for j, indices in enumerate(minibatches):
-        for fragment in fragments:
-            part = rows_in(fragment, members, j, len(indices))
-            if part is not None:
-                train(part)
-        if j < len(minibatches) - 1:
-            update(j)
-
-
-def groups_of(fragment: Fragment, lo: int, hi: int) -> Fragment:
-    """The part of `fragment` in groups [lo, hi) of its step (the fragment itself when wholly
-    inside)."""
-    first, g = fragment.first_group, fragment.group_size
-    a, b = max(lo, first), min(hi, first + fragment.num_groups)
-    if (a, b) == (first, first + fragment.num_groups):
-        return fragment
-    rows = slice((a - first) * g, (b - first) * g)  # samples of the groups, batch first
-    ints = fragment.ints()
-    ints[1] = a
-    part = Fragment.from_parts(ints, {k: v[rows] for k, v in fragment.tensors().items()})
-    part.opens_fragment = fragment.opens_fragment and a == first  # a fragment is counted once
-    return part
-
-
-def train_in_minibatches(items: Iterable[Fragment | Announcement], bounds: list[tuple[int, int]],
-                         train: Callable[[Fragment], None],
-                         update: Callable[[int], object]) -> None:
-    """Train a step's fragments in M minibatches with one update after each but the last (the
-    caller's optimizer step ends the RL step). A part of minibatch j is trained as it arrives once
-    updates 0..j-1 are done, else held; update j runs once every group of minibatch j is in. `items`
-    are this rank's fragments and, for the groups it does not train itself, their ranges (an
-    Announcement): every rank then sees the same boundaries, and the update is the full-batch
-    computation's whatever the arrival order. Deadlock-free with point-to-point sends: each producer
-    claims, and sends, in group order."""
-    held: list[list[Fragment]] = [[] for _ in bounds]
-    covered, current = [0] * len(bounds), 0
-    for item in items:
-        first = item.first_group
-        for j, (lo, hi) in enumerate(bounds):
-            overlap = min(hi, first + item.num_groups) - max(lo, first)
-            if overlap <= 0:
-                continue
-            if j < current:
-                raise AssertionError(f"groups of minibatch {j} arrived after its update")
-            covered[j] += overlap
-            if isinstance(item, Fragment):
-                part = groups_of(item, lo, hi)
-                train(part) if j == current else held[j].append(part)
-        while (current < len(bounds) - 1
-                and covered[current] == bounds[current][1] - bounds[current][0]):
-            update(current)
-            current += 1
-            for part in held[current]:
-                train(part)
-    if current != len(bounds) - 1 or covered[-1] != bounds[-1][1] - bounds[-1][0]:
-        raise AssertionError(f"a step ended with groups missing: covered {covered} of {bounds}")
-
-
-def nothing(*args) -> None:
-    """A hook that does nothing."""
-
-
-@dataclasses.dataclass
-class TrainerSide:
-    """What a trainer rank does, filled in by main.py: which fragments it trains in a step (dealt,
-    or TSP's lockstep), how it trains one, the updates (several per batch: `bounds`), publishing
-    (TCSS), the end of a step. A version is one RL step: published once per step, whatever the
-    number of updates."""
-
-    fragments_of: Callable[[int], Iterable[Fragment | Announcement]]
-    train: Callable[[Fragment], None]
-    optimizer_step: Callable[[int], dict]  # the step's last update, then its metrics
-    version: Callable[[], int]
-    publish: Callable[[int], None]
-    end_step: Callable[[int, dict], None]
-    before_publish: Callable[[int], object] = nothing  # TAG: claim a share of the next batch
-    # an update inside the step (minibatch j < M - 1 done)
-    update: Callable[[int], object] = nothing
-    bounds: list[tuple[int, int]] | None = None  # minibatch_bounds; None: one update, no boundaries
-    # before every update: train what is still open (TSP's packs)
-    flush: Callable[[], object] = nothing
-    # Batch-level advantages (batch_rewards.py): when set, a step's fragments are first all
-    # collected (every group of the step is then produced, TAG's included), restated, then trained.
-    restate: Callable[[int, list[Fragment]], list[Fragment]] | None = None
-    # Flow-GRPO's sample minibatches (--minibatches samples): minibatches(step) -> M lists of the
-    # step's sample indices (sample_minibatches); the step's fragments are collected, then trained
-    # by train_by_samples, each whole fragment counted by `count`. None: whole-group minibatches.
-    minibatches: Callable[[int], list[list[int]]] | None = None
-    count: Callable[[Fragment], None] = nothing
-
-    def train_step(self, step: int, items: Iterable[Fragment | Announcement]) -> dict:
-        """One RL step's training: M minibatches, an update after each (open packs flushed
-        first)."""
-        if self.restate is not None or self.minibatches is not None:  # the whole batch first
-            items = list(items)
-        if self.restate is not None:  # the whole batch's rewards: no streaming this step
-            mine = self.restate(step, [f for f in items if isinstance(f, Fragment)])
-            items = [*mine, *(a for a in items if not isinstance(a, Fragment))]
-
-        def update(j: int) -> None:
-            self.flush()
-            self.update(step)
-        if self.minibatches is not None:
-            train_by_samples([f for f in items if isinstance(f, Fragment)],
-                             self.minibatches(step), self.train, update, self.count)
-        elif self.bounds is None:
-            for fragment in (f for f in items if isinstance(f, Fragment)):
-                self.train(fragment)
-        else:
-            train_in_minibatches(items, self.bounds, self.train, update)
-        self.flush()
-        return self.optimizer_step(step)
-
-
-def trainer_loop(side: TrainerSide, steps: range, streaming: bool) -> None:
-    """A trainer rank: per step, train the fragments as they arrive (GAP) or after the whole batch,
-    one update per minibatch, publish the new weights, then log/evaluate/checkpoint (after
-    publishing, so the rollout ranks are not kept waiting)."""
-    # version 0, or the resumed one: rollout ranks take their first weights
-    side.publish(side.version())
-    for step in steps:
-        items = side.fragments_of(step)
-        metrics = side.train_step(step, items if streaming else list(items))
-        side.before_publish(step)
-        side.publish(side.version())
-        side.end_step(step, metrics)
-
-
 # --- python3 gap.py: the mechanism alone, on fake ranks -------------------------------------------
 def _demo_fragment(spec: FragmentSpec, version: int, producer: int, t_train: int,
                    dim: int) -> Fragment:
@@ -641,58 +389,56 @@ def _demo_fragment(spec: FragmentSpec, version: int, producer: int, t_train: int
 
 
 def _demo() -> None:
-    import queue as queue_lib
-    import threading
-
     import torch.distributed as dist
 
-    groups, group_size, t_train, dim, rollouts = 6, 2, 3, 4, 2
-    store = dist.HashStore()  # the job's TCPStore, in memory
-    queue = FragmentQueue(store, groups)
-    # the data plane: one trainer, fragments in arrival order
-    mailbox: queue_lib.Queue = queue_lib.Queue()
+    groups, group_size, t_train, dim = 6, 2, 3, 4
+    gen_s, train_s, tick = {0: 1.0, 1: 1.5}, 0.5, 0.5  # rollout rank 1 is slower; s per group
+    queue = FragmentQueue(dist.HashStore(), groups, group_size=group_size)  # the job's store
+    free_at, arrivals = {0: 0.0, 1: 0.0}, []  # (done, start, fragment)
+    print(f"GAP: {groups} groups of {group_size}; rollout rank 0 generates a group in "
+          f"{gen_s[0]} s, rank 1 in {gen_s[1]} s; the trainer trains one in {train_s} s. Whichever "
+          "rank is free first claims the next group from the queue (ties: the lower rank).")
+    while True:  # a scripted clock, so the ranks' order is the same every run
+        rank = min(free_at, key=lambda r: (free_at[r], r))
+        claimed = queue.claim(0, 1)
+        if claimed is None:
+            break
+        spec = fragment_spec(0, 0, claimed.first_group, claimed.num_groups, 10, groups, group_size)
+        start, free_at[rank] = free_at[rank], free_at[rank] + gen_s[rank]
+        queue.announce(0, claimed.first_group, claimed.num_groups, producer=rank)
+        arrivals.append((free_at[rank], start, _demo_fragment(spec, 0, rank, t_train, dim)))
+    arrivals.sort(key=lambda a: a[0])
     theta = torch.zeros(dim, requires_grad=True)  # the trainer's model: loss = -adv * <theta, x>
     n_pairs = total_pairs(groups, group_size, t_train)
 
-    def generate(step: int, first: int, count: int, version: int, rank: int) -> Fragment:
-        spec = fragment_spec(0, step, first, count, 10, groups, group_size)
-        return _demo_fragment(spec, version, rank, t_train, dim)
-
-    def rollout(rank: int) -> None:
-        rollout_loop(rank=rank, steps=range(1), queue=queue, fragment_groups=1,
-                     generate=lambda s, f, c, v, part: generate(s, f, c, v, rank),
-                     send=lambda fragment, dst: mailbox.put(fragment), destination_of=lambda seq: 0)
-
     def train(fragment: Fragment) -> None:
         weights = pair_weights(torch.ones(fragment.num_samples, t_train), n_pairs)  # [m, T_train]
-        loss = -(fragment.advantages[:, None] * (fragment.latents @ theta) * weights).sum()
-        loss.backward()
-        print(f"  trained fragment of groups [{fragment.first_group}, "
-              f"{fragment.first_group + fragment.num_groups}) "
-              f"from rollout rank {fragment.producer}; gradient so far {theta.grad.norm():.4f}")
+        (-(fragment.advantages[:, None] * (fragment.latents @ theta) * weights).sum()).backward()
 
-    threads = [threading.Thread(target=rollout, args=(r,)) for r in range(rollouts)]
-    print(f"GAP: {rollouts} rollout ranks claim {groups} groups one at a time; the trainer trains "
-          "each on arrival, with 2 updates per batch: groups [0, 3), then [3, 6)")
-    for t in threads:
-        t.start()
-    bounds = minibatch_bounds(groups, 2)
-    grads: list[torch.Tensor] = []
-
-    def update(j: int) -> None:
-        grads.append(theta.grad.clone())
-        theta.grad = None
-        print(f"  update {j}: every group of [{bounds[j][0]}, {bounds[j][1]}) is in")
-    train_in_minibatches((mailbox.get() for _ in range(groups)), bounds, train, update)
-    update(1)  # the step's last update
-    for t in threads:
-        t.join()
-    whole = concat_fragments([generate(0, 0, groups, 0, 0)])
-    for j, (lo, hi) in enumerate(bounds):
-        train(groups_of(whole, lo, hi))
-        print(f"minibatch {j}: streamed gradient == full-batch gradient: "
-              f"{torch.allclose(grads[j], theta.grad)}")
-        theta.grad = None
+    rows, clock = {"rollout 0": {}, "rollout 1": {}, "trainer  ": {}}, 0.0
+    for done, start, fragment in arrivals:  # GAP: each fragment trained as soon as it is in
+        for t in range(int(start / tick), int(done / tick)):
+            rows[f"rollout {fragment.producer}"][t] = str(fragment.first_group)
+        clock = max(clock, done)
+        for t in range(int(clock / tick), int((clock + train_s) / tick)):
+            rows["trainer  "][t] = str(fragment.first_group)
+        print(f"  t={clock:3.1f}-{clock + train_s:3.1f} s: the trainer trains group "
+              f"{fragment.first_group} (rank {fragment.producer}'s); meanwhile "
+              + (", ".join(f"rank {f.producer} generates group {f.first_group}"
+                           for d, s0, f in arrivals if s0 < clock + train_s and d > clock)
+                 or "nothing is generated"))
+        train(fragment)
+        clock += train_s
+    streamed, theta.grad = theta.grad.clone(), None
+    span = int(max(clock, arrivals[-1][0]) / tick)
+    print(f"timeline ({tick} s a column; the digit is the group):")
+    for name, row in rows.items():
+        print(f"  {name} |" + "".join(row.get(t, ".") for t in range(span)) + "|")
+    barrier = arrivals[-1][0] + groups * train_s
+    print(f"the step ends at {clock:.1f} s; the naive barrier (train after the last arrival) at "
+          f"{barrier:.1f} s")
+    train(concat_fragments([f for _, _, f in sorted(arrivals, key=lambda a: a[2].first_group)]))
+    print(f"streamed gradient == full-batch gradient: {torch.allclose(streamed, theta.grad)}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""Flow-GRPO math: the SDE sampling step and its log-prob, group advantages, the clipped loss, KL.
+"""Flow-GRPO math: the SDE sampling step and its log-prob, group advantages, the clipped loss, KL;
+and Flow-GRPO's several updates per batch (its minibatches: which rows each update trains).
 
-Pure tensor functions, float32 inside, no model and no process group. docs/DESIGN.md section 3.
+Pure functions, float32 inside, no model and no process group. docs/DESIGN.md section 3.
 
     import torch, grpo
     x = torch.randn(4, 64, 16); v = torch.randn_like(x)
@@ -15,8 +16,11 @@ clip range is tiny (about 1e-4 for real models).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
 
 import torch
+
+from gap import Announcement, Fragment
 
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -287,3 +291,142 @@ def advantages(rewards: torch.Tensor, prompt_keys, group_size: int, per_prompt: 
     if collapsed == "drop":
         adv = torch.where(collapsed_prompts(rewards, keys, min_std=collapsed_std), 0.0, adv)
     return adv
+
+
+# === Flow-GRPO's several updates per batch (M minibatches, an optimizer update after each) =======
+# The schedules over a step's fragments (gap.Fragment): which rows each update trains, in what
+# order; the trainer rank's loop (trainer.TrainerSide) calls them.
+# --- several updates per batch: minibatches of whole groups, fixed before the batch is generated --
+def minibatch_bounds(groups_per_step: int, updates: int) -> list[tuple[int, int]]:
+    """Update j of a step trains groups [lo_j, hi_j): M contiguous ranges of the batch's groups,
+    sizes within one group of each other (lo_j = j B // M). The step's prompts are a seeded
+    permutation (fragment_spec), so a range is a random subset of prompts."""
+    if not 1 <= updates <= groups_per_step:
+        raise ValueError(f"--updates-per-batch {updates} must be between 1 and the "
+                         f"{groups_per_step} groups of a step (a minibatch is whole groups)")
+    cuts = [j * groups_per_step // updates for j in range(updates + 1)]
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
+def minibatch_pairs(bounds: list[tuple[int, int]], group_size: int, num_train_timesteps: int,
+                    fragment: Fragment) -> int:
+    """N_j T_train: the pairs of the minibatch `fragment` (a part of one) lies in; each update's
+    loss is its minibatch's mean, as Flow-GRPO's (with M = 1, the batch's N T_train)."""
+    if fragment.minibatch_samples:  # rows of a sample minibatch (train_by_samples)
+        return fragment.minibatch_samples * num_train_timesteps
+    lo, hi = next(b for b in bounds if b[0] <= fragment.first_group < b[1])
+    return (hi - lo) * group_size * num_train_timesteps
+
+
+# --- Flow-GRPO's minibatches: the step's samples permuted, zero advantages dropped ----------------
+def minibatch_seed(seed: int, step: int) -> int:
+    """The generator seed of a step's sample minibatches: every trainer draws the same ones."""
+    return (seed * 1_000_003 + step) * 1_000_033 + 999_983
+
+
+def sample_minibatches(total: int, updates: int, seed: int,
+                       keep: torch.Tensor | None = None) -> list[list[int]]:
+    """Flow-GRPO's minibatches (scripts/train_sd3.py lines 796-840) of a step's `total` samples:
+    M = `updates` lists of sample indices (in the batch), from a torch.Generator seeded `seed`.
+    keep [total] bool (train_sd3.py's mask: advantage != 0; None = every sample): as it does,
+    if the kept count is not a multiple of M, M - count % M dropped samples chosen at random are put
+    back (when there are that many; its unit is num_batches_per_epoch per GPU, here M for the
+    batch); then the kept samples are permuted and cut into M consecutive parts (sizes within one
+    when M does not divide them, where its reshape would fail)."""
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.ones(total, dtype=torch.bool) if keep is None else keep.clone().bool()
+    kept = int(mask.sum())
+    if kept % updates:  # lines 801-808: make the count divisible
+        false_indices = torch.where(~mask)[0]
+        num_to_change = updates - kept % updates
+        if len(false_indices) >= num_to_change:
+            chosen = torch.randperm(len(false_indices), generator=gen)[:num_to_change]
+            mask[false_indices[chosen]] = True
+    indices = torch.where(mask)[0]  # line 817: samples[mask], in batch order
+    perm = torch.randperm(len(indices), generator=gen)  # line 829
+    order = indices[perm].tolist()
+    cuts = [j * len(order) // updates for j in range(updates + 1)]  # lines 833-836
+    return [order[cuts[j]:cuts[j + 1]] for j in range(updates)]
+
+
+def rows_in(fragment: Fragment, members: dict[int, int], j: int, size: int) -> Fragment | None:
+    """The rows of `fragment` whose batch index `members` puts in minibatch j (of `size` samples),
+    as a fragment marked with its minibatch's size (minibatch_samples); None when it has none."""
+    start = fragment.first_sample
+    rows = [r for r in range(fragment.num_samples) if members.get(start + r) == j]
+    if not rows:
+        return None
+    index = torch.tensor(rows, dtype=torch.long)
+    part = Fragment.from_parts(fragment.ints(),
+                               {k: v[index.to(v.device)] for k, v in fragment.tensors().items()})
+    part.opens_fragment, part.minibatch_samples = False, size
+    return part
+
+
+def train_by_samples(fragments: list[Fragment], minibatches: list[list[int]],
+                     train: Callable[[Fragment], None], update: Callable[[int], object],
+                     count: Callable[[Fragment], None]) -> None:
+    """Train a step's fragments (all of this rank's, in hand) in Flow-GRPO's sample minibatches
+    (sample_minibatches, the same on every trainer): each whole fragment counted once, then for each
+    minibatch j the rows of every fragment in it, and an update after each but the last (the
+    caller's optimizer step ends the RL step). A dropped sample is in no minibatch: never
+    trained."""
+    members = {i: j for j, indices in enumerate(minibatches) for i in indices}
+    for fragment in fragments:
+        count(fragment)
+    for j, indices in enumerate(minibatches):
+        for fragment in fragments:
+            part = rows_in(fragment, members, j, len(indices))
+            if part is not None:
+                train(part)
+        if j < len(minibatches) - 1:
+            update(j)
+
+
+def groups_of(fragment: Fragment, lo: int, hi: int) -> Fragment:
+    """The part of `fragment` in groups [lo, hi) of its step (the fragment itself when wholly
+    inside)."""
+    first, g = fragment.first_group, fragment.group_size
+    a, b = max(lo, first), min(hi, first + fragment.num_groups)
+    if (a, b) == (first, first + fragment.num_groups):
+        return fragment
+    rows = slice((a - first) * g, (b - first) * g)  # samples of the groups, batch first
+    ints = fragment.ints()
+    ints[1] = a
+    part = Fragment.from_parts(ints, {k: v[rows] for k, v in fragment.tensors().items()})
+    part.opens_fragment = fragment.opens_fragment and a == first  # a fragment is counted once
+    return part
+
+
+def train_in_minibatches(items: Iterable[Fragment | Announcement], bounds: list[tuple[int, int]],
+                         train: Callable[[Fragment], None],
+                         update: Callable[[int], object]) -> None:
+    """Train a step's fragments in M minibatches with one update after each but the last (the
+    caller's optimizer step ends the RL step). A part of minibatch j is trained as it arrives once
+    updates 0..j-1 are done, else held; update j runs once every group of minibatch j is in. `items`
+    are this rank's fragments and, for the groups it does not train itself, their ranges (an
+    Announcement): every rank then sees the same boundaries, and the update is the full-batch
+    computation's whatever the arrival order. Deadlock-free with point-to-point sends: each producer
+    claims, and sends, in group order."""
+    held: list[list[Fragment]] = [[] for _ in bounds]
+    covered, current = [0] * len(bounds), 0
+    for item in items:
+        first = item.first_group
+        for j, (lo, hi) in enumerate(bounds):
+            overlap = min(hi, first + item.num_groups) - max(lo, first)
+            if overlap <= 0:
+                continue
+            if j < current:
+                raise AssertionError(f"groups of minibatch {j} arrived after its update")
+            covered[j] += overlap
+            if isinstance(item, Fragment):
+                part = groups_of(item, lo, hi)
+                train(part) if j == current else held[j].append(part)
+        while (current < len(bounds) - 1
+                and covered[current] == bounds[current][1] - bounds[current][0]):
+            update(current)
+            current += 1
+            for part in held[current]:
+                train(part)
+    if current != len(bounds) - 1 or covered[-1] != bounds[-1][1] - bounds[-1][0]:
+        raise AssertionError(f"a step ended with groups missing: covered {covered} of {bounds}")

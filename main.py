@@ -8,9 +8,8 @@
 Started as one process it spawns --nproc ranks (infra/launch.py watches them); under torchrun each
 process is a rank. `run_rank` is one rank, top to bottom: the job (infra/runtime.py), the groups
 (comm.py), the policy, then its loop, each mechanism plugged in on one line: GAP (gap.rollout_loop,
-gap.trainer_loop), TSP (tsp.PackStream / tsp.trainer_packs, tsp.lockstep_fragments: wiring.py), TAG
-(tag.Assistant, TSP's strategy), TCSS (tcss.RolloutWeights, tcss.Publisher); colocated.py is the
-baseline; transport.py carries their data, wiring.py wraps it in spans; config.py: every option."""
+trainer.trainer_loop), TSP (tsp.*: wiring.py), TAG (tag.Assistant), TCSS (async_policy.py); the
+baseline colocated.py; transport.py carries data, wiring.py wraps it in spans."""
 from __future__ import annotations
 
 import dataclasses
@@ -21,24 +20,26 @@ from typing import ContextManager
 
 import torch
 
-import batch_rewards
+from flowgrpo import batch_rewards
+import cli
 import colocated
 import comm
 import config as config_lib
 import gap
+import grpo
 import models
 import rewards
 import rollout
 import tag
-import tcss
+import async_policy
 import transport
 import wiring
-from infra import bookkeeping, cli, emulate, rundir, runtime
+from infra import bookkeeping, emulate, rundir, runtime
 from infra.launch import launch
 from infra.preemption import EXIT_PREEMPTED, Preempted
 from infra.prompts import PromptSource
 from infra.tracing import Tracer
-from trainer import TrainConfig, Trainer, shard_for_fsdp
+from trainer import TrainConfig, Trainer, TrainerSide, nothing, shard_for_fsdp, trainer_loop
 
 
 @dataclasses.dataclass
@@ -135,9 +136,10 @@ def rollout_rank(r: Rank) -> None:
     sender = transport.FragmentSender(wiring.Send(r.tracer, groups.world_data))
     shapes, progress = [(p.shape, p.dtype) for p in params], r.job.progress
     receive = transport.WeightReceiver(groups.leader, groups.publish, shapes, progress=progress)
-    budget = tcss.StaleBudget(r.job.prefixed("stale"), cfg.max_stale_fragments)
-    weights = tcss.RolloutWeights(tcss.Mailbox(receive), params, budget if cfg.use_tcss else None,
-                                  sender.raise_if_failed, r.tracer, groups.rank == 0)  # TCSS
+    budget = async_policy.StaleBudget(r.job.prefixed("stale"), cfg.max_stale_fragments)
+    weights = async_policy.RolloutWeights(  # TCSS
+        async_policy.Mailbox(receive), params, budget if cfg.use_tcss else None,
+        sender.raise_if_failed, r.tracer, groups.rank == 0)
     times = tag.RolloutTimes(r.job.prefixed("timing"), groups.rollout_ranks, cfg.fragment_groups)
     generate = wiring.TimedGenerate(r.generate, groups.rank, times)  # TAG's predictor reads times
     r.job.progress.start()
@@ -162,31 +164,31 @@ def trainer_rank(r: Rank):
     books.evaluate_initial()
     assistant = wiring.assistant(cfg, groups, r.queue, r.job) if cfg.tag and leader else None  # TAG
     send = functools.partial(wiring.publish, groups, None if cfg.lora else r.policy.dtype)
-    publisher = tcss.Publisher(trainer.iter_full_weights, len(trainer.params), send, sends=leader,
-                               gathers=cfg.fsdp, tracer=r.tracer,
-                               on_published=assistant.published if assistant else None)  # TCSS
+    publisher = async_policy.Publisher(  # TCSS
+        trainer.iter_full_weights, len(trainer.params), send, sends=leader, gathers=cfg.fsdp,
+        tracer=r.tracer, on_published=assistant.published if assistant else None)
     t_train = rollout.num_train_timesteps(r.sampling)
-    bounds = gap.minibatch_bounds(cfg.prompts_per_step, cfg.updates_per_batch)  # M updates a step
+    bounds = grpo.minibatch_bounds(cfg.prompts_per_step, cfg.updates_per_batch)  # M updates a step
     train, flush, count = wiring.fragment_training(cfg, groups, trainer, bounds, t_train,  # TSP
                                             r.reward_fn.names, r.tracer, r.pace,
                                             assistant.trained if assistant else None)
     fragments = wiring.TrainerFragments(cfg, groups, r.queue, r.tracer, r.job.progress, r.generate,
                                         trainer.current_version, assistant)  # dealt, or TSP's
-    side = gap.TrainerSide(fragments_of=fragments, train=train, version=trainer.current_version,
+    side = TrainerSide(fragments_of=fragments, train=train, version=trainer.current_version,
                            optimizer_step=books.optimizer_step, publish=publisher.publish,
                            end_step=books.end_step, update=books.update, bounds=bounds, flush=flush,
                            restate=r.batch.restate if r.batch else None,  # batch-level advantages
                            minibatches=wiring.minibatch_plan(cfg, r.batch), count=count,
-                           before_publish=assistant.before_publish if assistant else gap.nothing)
-    books.forgetting(r.queue.forget_old if leader and r.queue else gap.nothing,
-                     assistant.forget if assistant else gap.nothing,
-                     r.batch.forget if leader and r.batch else gap.nothing)
+                           before_publish=assistant.before_publish if assistant else nothing)
+    books.forgetting(r.queue.forget_old if leader and r.queue else nothing,
+                     assistant.forget if assistant else nothing,
+                     r.batch.forget if leader and r.batch else nothing)
     if groups.role == "colocated":  # the baseline: a static 1/P of every minibatch, no queue
         claims = functools.partial(colocated.static_claims, bounds)
         colocated.loop(side, r.steps, claims, groups.rank, groups.world,
                        functools.partial(r.generate, producer=groups.rank), cfg.fragment_groups)
     else:
-        gap.trainer_loop(side, r.steps, streaming=cfg.gap)  # GAP
+        trainer_loop(side, r.steps, streaming=cfg.gap)  # GAP
         publisher.stop()
     return books.close()
 

@@ -1,13 +1,13 @@
 """Rollout: what a generator is. One fragment (whole groups) -> SDE sampling, behaviour log-probs,
-decode, reward, advantages (per group; batch_rewards.py restates them for batch statistics); and
-deterministic evaluation.
+decode, reward, advantages (per group; flowgrpo/batch_rewards.py restates them for batch
+statistics); and deterministic evaluation.
 
 `generate_fragment` is the one generation path, used by rollout ranks, by colocated ranks and by an
 idle trainer under TAG, so every producer makes the same trajectories from the same FragmentSpec.
 It is `generate_trajectories` (sample, decode, score) then `with_advantages` (per group): under TAG
 several trainers generate parts of one group (`part_spec`); advantages wait for the joined parts.
 The rollout rank's loop (claim, generate, announce, send) is gap.rollout_loop; which weights
-generate and when new ones come in is tcss.RolloutWeights (main.py plugs both in).
+generate and when new ones come in is async_policy.RolloutWeights (main.py plugs both in).
 """
 from __future__ import annotations
 
@@ -201,7 +201,8 @@ def decode_and_score(policy, final: torch.Tensor, prompts: list[str], batch_size
 def with_advantages(fragment: Fragment, cfg: SamplingConfig) -> Fragment:
     """The fragment (whole groups) with its group advantages, from its rewards on the host: the same
     numbers whoever generated which trajectories of a group. Per group, so the fragment is
-    self-contained (batch_rewards.py restates batch statistics); collapsed groups guarded."""
+    self-contained (flowgrpo/batch_rewards.py restates batch statistics); collapsed groups
+    guarded."""
     advantages = grpo.advantages(fragment.rewards, fragment.prompt_ids, fragment.group_size,
                                  collapsed_std=cfg.collapsed_std, collapsed=cfg.collapsed_groups,
                                  clip=cfg.adv_clip)  # [m]

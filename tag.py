@@ -21,21 +21,16 @@ could claim (multiples of `quantum`, 1 in the runtime) and takes the one that en
 0 unless that beats not assisting: it declines when training is the bottleneck, and balances the two
 when generation is. tools/simulate.py runs the same predictor and cost of a split (`share_groups`).
 
-By trajectories: a claim's trajectories, not its groups, are split over the K trainers (a group of
-8 is generated 2 per trainer by 4), each from its own seeds; advantages wait for the joined groups.
-With `part_groups` (--tag-part-groups) the leader may also claim part of a group: the predictor then
-decides in trajectories inside a step, the queue's next rollout claim is the rest of that group
-(gap.FragmentQueue), and the trainers join the parts before the group's advantages
-(whole_groups, below). Never at a step boundary: a rollout rank may still generate ahead with the
-old weights there (TCSS), and a group's members must share one version.
+By trajectories: a claim is whole groups, but its trajectories, not its groups, are split over the
+K trainers (a group of 8 is generated 2 per trainer by 4), each from its own seeds; the group
+advantages wait until the shares are joined (`with_advantages`, below).
 
-Departures from the paper: claims are whole groups unless --tag-part-groups, and a part claim's
-rest goes to a rollout rank rather than being scheduled centrally; in-flight fragments are assumed
-half done (ranks do not report progress).
+Departures from the paper: claims are whole groups pulled from the queue rather than scheduled
+centrally; in-flight fragments are assumed half done (ranks do not report progress). (Claims of
+part of a group were tried and removed: 0.1% simulated at best, docs/RESULTS.md section 3b.)
 
-Try it: `python3 tag.py` (alone, fake ranks: a claim of part of a group); in a run,
-`python main.py --placement disaggregated --gap --tsp --tag` (logs `tag_fragments` per step; add
-`--tag-part-groups --updates-per-batch 1` for part claims).
+Try it: `python3 tag.py` (alone, a scripted step: why the leader claims what it claims); in a run,
+`python main.py --placement disaggregated --gap --tsp --tag` (logs `tag_fragments` per step).
 Only the standard library and torch are imported: this file can be copied into another codebase.
 """
 from __future__ import annotations
@@ -184,25 +179,20 @@ class Assistant:
     """TAG's state on the trainer leader: estimates, claims not yet generated, and the decision.
 
     The queue is reached through callables (claim, counts) so the file stays self-contained, all in
-    TRAJECTORIES: claim(step, n) -> (first_group, num_groups[, part]) | None (gap.Claim: part =
-    (lo, hi) within those groups, or absent); claimed(step), announced(step) -> int;
-    rollout_gen_s() -> seconds per fragment of fragment_groups groups on a rollout rank, or None.
-    The predictor decides in units of a group (G trajectories; the trainers split a claim by
-    trajectories: share_groups) or, with `part_groups`, of one trajectory, so that the leader may
-    claim part of a group (its rest is a rollout rank's next claim). Part claims are made only
-    inside a step: at a step boundary a rollout rank may still be generating ahead with the old
-    version (TCSS), and a group's members must share one version. group_size 0: whole groups split
-    by whole groups (simulate.py's tag_split="groups")."""
+    TRAJECTORIES: claim(step, n) -> (first_group, num_groups) | None (n a multiple of G: whole
+    groups); claimed(step), announced(step) -> int; rollout_gen_s() -> seconds per fragment of
+    fragment_groups groups on a rollout rank, or None. The predictor decides in groups (the trainers
+    split a claim by trajectories: share_groups). group_size 0: whole groups split by whole groups
+    (simulate.py's tag_split="groups")."""
 
     def __init__(self, groups_per_step: int, fragment_groups: int, rollout_ranks: int,
                  trainers: int, quantum: int, claim: Callable, claimed: Callable,
                  announced: Callable, rollout_gen_s: Callable,
-                 poll_s: float = 0.001, steps: int | None = None, group_size: int = 0,
-                 part_groups: bool = False):
+                 poll_s: float = 0.001, steps: int | None = None, group_size: int = 0):
         self.groups_per_step, self.fragment_groups, self.rollout_ranks = (
             groups_per_step, fragment_groups, rollout_ranks)
         self.trainers, self.quantum, self.poll_s, self.steps = trainers, quantum, poll_s, steps
-        self.group_size, self.part_groups = group_size, part_groups
+        self.group_size = group_size
         self.samples_per_step = groups_per_step * max(group_size, 1)
         self.claim, self.claimed = claim, claimed
         self.announced, self.rollout_gen_s = announced, rollout_gen_s
@@ -215,44 +205,37 @@ class Assistant:
         self.taken = collections.Counter()  # step -> trajectories TAG claimed
         self.generated = collections.Counter()  # step -> trajectories TAG generated
 
-    def unit(self, boundary: bool = False) -> int:
-        """Trajectories per unit of the predictor: one with part claims (inside a step), else G."""
-        return 1 if self.part_groups and not boundary else max(self.group_size, 1)
-
-    def state(self, step: int, samples_done: int, start_s: float = 0.0,
-              unit: int | None = None) -> StepState | None:
+    def state(self, step: int, samples_done: int, start_s: float = 0.0) -> StepState | None:
         gen_rollout = self.rollout_gen_s()
         if gen_rollout is None or self.train.value is None:
             return None  # no estimates yet: the first fragments measure them
-        u, g = unit or self.unit(), max(self.group_size, 1)
+        g = max(self.group_size, 1)  # the queue counts trajectories, the predictor groups
         claimed, announced = self.claimed(step), self.announced(step)
         return StepState(
-            unclaimed=(self.samples_per_step - claimed) // u,
-            in_flight=max(claimed - announced - self.taken[step], 0) // u,
-            waiting=max(announced - (samples_done - self.generated[step]), 0) // u,
-            rollout_ranks=self.rollout_ranks, fragment_groups=self.fragment_groups * g // u,
+            unclaimed=(self.samples_per_step - claimed) // g,
+            in_flight=max(claimed - announced - self.taken[step], 0) // g,
+            waiting=max(announced - (samples_done - self.generated[step]), 0) // g,
+            rollout_ranks=self.rollout_ranks, fragment_groups=self.fragment_groups,
             gen_rollout_s=gen_rollout,
             # unmeasured: assume the trainer GPU generates like a rollout one
-            gen_trainer_s=u * (self.gen_trainer.value if self.gen_trainer.value is not None
+            gen_trainer_s=g * (self.gen_trainer.value if self.gen_trainer.value is not None
                                else gen_rollout / (self.fragment_groups * g)),
-            train_s=u * self.train.value, trainers=self.trainers,
-            group_size=self.group_size if u > 1 else 0, quantum=self.quantum,
+            train_s=g * self.train.value, trainers=self.trainers,
+            group_size=self.group_size, quantum=self.quantum,
             rollout_start_s=start_s, trainer_start_s=start_s)
 
     def consider(self, step: int, samples_done: int, before_publish: bool = False) -> bool:
         """Claim the predictor's share of `step` for the trainer group; True if it claimed anything.
         Before a publish, the rollout ranks start on `step` only once the new weights reach them."""
         start = (self.publish.value or 0.0) if before_publish else 0.0
-        unit = self.unit(boundary=before_publish)
-        state = self.state(step, samples_done, start_s=start, unit=unit)
+        state = self.state(step, samples_done, start_s=start)
         n = assist_groups(state) if state is not None else 0
-        claimed = self.claim(step, n * unit) if n else None
+        g = max(self.group_size, 1)
+        claimed = self.claim(step, n * g) if n else None
         if claimed is None:
             return False
-        first, count, *part = claimed
-        g = max(self.group_size, 1)
-        lo, hi = (first * g + part[0][0], first * g + part[0][1]) if part else (
-            first * g, (first + count) * g)
+        first, count = claimed
+        lo, hi = first * g, (first + count) * g
         self.pending[step].append((lo, hi))
         self.taken[step] += hi - lo
         return True
@@ -322,49 +305,12 @@ def assisted_generation(lo: int, hi: int, trainers: int, me: int, generate: Call
     return join([share(mine if r == me else None, r) for r in owners])
 
 
-def whole_groups(fragments: Iterable, complete: Callable, join: Callable,
-                 cut: Callable) -> Iterator:
-    """The trainers' side of part claims: parts of groups joined back into whole groups, in any
-    arrival order. A whole fragment (with advantages) passes as it is; parts wait until their
-    group's G trajectories are all in, then the run of whole groups is yielded once, with
-    `complete` (the group advantages: they need the whole group). join(parts) concatenates
-    consecutive parts (gap.concat_fragments), cut(fragment, lo, hi) takes trajectories [lo, hi) of
-    the step (gap.rows_of). The members of a group must share one policy version (TCSS's
-    invariant)."""
-    waiting: list = []  # parts, sorted by first trajectory; never two overlapping
+def with_advantages(fragments: Iterable, complete: Callable) -> Iterator:
+    """The trainers' side of TAG: a joined TAG claim (whole groups, generated in shares without
+    advantages) gets its group advantages here, `complete` (rollout.with_advantages); a rollout
+    rank's fragment passes as it is."""
     for fragment in fragments:
-        if fragment.is_whole and not fragment.advantages.isnan().any():
-            yield fragment
-            continue
-        waiting = sorted([*waiting, fragment], key=lambda f: f.first_sample)
-        run, kept = [], []
-        for part in waiting + [None]:  # contiguous runs of parts
-            if run and (part is None or part.first_sample != run[-1].first_sample
-                        + run[-1].num_samples):
-                kept.extend(_yield_whole(run, complete, join, cut, out := []))
-                yield from out
-                run = []
-            if part is not None:
-                run.append(part)
-        waiting = kept
-
-
-def _yield_whole(run: list, complete: Callable, join: Callable, cut: Callable, out: list) -> list:
-    """The whole groups of a contiguous run of parts go to `out` (joined, completed); returns what
-    is left of the run (the parts of groups still incomplete)."""
-    g = run[0].group_size
-    lo, hi = run[0].first_sample, run[-1].first_sample + run[-1].num_samples
-    a, b = -(-lo // g) * g, hi // g * g  # the whole groups inside [lo, hi)
-    if a >= b:
-        return run
-    versions = {p.policy_version for p in run if p.first_sample < b and
-                p.first_sample + p.num_samples > a}
-    if len(versions) > 1:
-        raise AssertionError(f"a group of step {run[0].step} joined from parts of versions "
-                             f"{sorted(versions)}: every member of a group must use one version")
-    joined = join(run)
-    out.append(complete(cut(joined, a, b)))
-    return [cut(joined, x, y) for x, y in ((lo, a), (b, hi)) if y > x]
+        yield complete(fragment) if fragment.advantages.isnan().any() else fragment
 
 
 # --- python3 tag.py: the mechanism alone, on a scripted step --------------------------------------
@@ -377,25 +323,29 @@ def _demo() -> None:
     def claim(step: int, n: int) -> tuple | None:  # gap.FragmentQueue.claim_samples, in short
         lo, hi = counter["n"], min(counter["n"] + n, groups * size)
         counter["n"] = hi
-        g0, g1 = lo // size, -(-hi // size)
-        part = None if lo % size == 0 and hi % size == 0 else (lo - g0 * size, hi - g0 * size)
-        return None if lo >= hi else (g0, g1 - g0) + ((part,) if part else ())
+        return None if lo >= hi else (lo // size, (hi - lo) // size)  # whole groups
 
     assistant = Assistant(groups_per_step=groups, fragment_groups=1, rollout_ranks=1, trainers=4,
                           quantum=1, claim=claim, claimed=lambda step: counter["n"],
                           announced=lambda step: 0, rollout_gen_s=lambda: 1.0,  # 1 s per group
-                          group_size=size, part_groups=True)
+                          group_size=size)
     assistant.trained_trajectories(count=size, seconds=0.1)  # 0.1 s per group on the trainers
-    state = assistant.state(step=0, samples_done=0, unit=size)
-    ends = (f"claim {n}: the step ends in {predict_step_end(state, n):.2f} s" for n in range(5))
-    print("TAG, 1 rollout rank at 1 s/group, 4 idle trainers, in groups: " + ", ".join(ends))
+    state = assistant.state(step=0, samples_done=0)
+    print("TAG, a scripted step: 8 groups of 8, 1 rollout rank at 1 s/group (it holds group 0), 4 "
+          "idle trainers that train a group in 0.1 s and generate one, split 2 trajectories each, "
+          "in 1/4 s. The leader claims WHOLE GROUPS; for each claim it could make, the predicted "
+          "end of the step:")
+    ends = {n: predict_step_end(state, n) for n in range(state.unclaimed + 1)}
+    for n, end in ends.items():
+        print(f"  claim {n} groups: the step ends in {end:.2f} s")
     decide = assistant.strategy(0, poll=lambda seq: False, train_cmd=0, produce_cmd=1)
     kind, lo, hi = decide(0, 0)
-    print(f"by trajectories the leader claims trajectories [{lo}, {hi}) (command {kind}: "
-          f"generate), {(hi - lo) / size:g} groups: the rest of group {hi // size} is the rollout "
-          "rank's next claim")
+    print(f"it claims {(hi - lo) // size} groups (trajectories [{lo}, {hi}), command {kind}: "
+          "generate), the claim with the earliest predicted end: the rollout rank alone would need "
+          f"{ends[0]:.2f} s; claiming more would leave the trainers generating while the rollout "
+          "rank's groups wait to be trained")
     # The claim is split over the 4 trainers by trajectories, each from the seeds it has in one
-    # piece; a group's advantages wait until all of its members are in (gap.whole_groups).
+    # piece; a group's advantages wait until the shares are joined (with_advantages).
     def generate(a: int, b: int) -> list[float]:  # scored trajectories, no advantages
         return [float(t % 3) for t in range(a, b)]
 
@@ -408,10 +358,8 @@ def _demo() -> None:
                                  share=lambda part, r: generate(*shares[r]),
                                  join=lambda parts: [x for part in parts for x in part],
                                  lockstep=True)
-    last = hi // size  # the split group: TAG's part, then the rollout rank's rest
-    split = joined[(last * size - lo):] + generate(hi, (last + 1) * size)
-    print(f"trainers' shares {shares}; group {last} joined == in one piece: "
-          f"{torch.equal(advantages(split), advantages(generate(last * size, (last + 1) * size)))}")
+    print(f"the 4 trainers' shares {shares}; joined advantages == the claim generated in one "
+          f"piece: {torch.equal(advantages(joined), advantages(generate(lo, hi)))}")
     bound = StepState(unclaimed=6, in_flight=1, waiting=0, rollout_ranks=1, gen_rollout_s=1.0,
                       gen_trainer_s=1.0, train_s=2.0)
     print(f"when training is the bottleneck (2 s/group) it declines: claim {assist_groups(bound)}")

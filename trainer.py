@@ -4,10 +4,11 @@ AdamW, one step per batch; checkpoints; FSDP2 sharding.
 Every pair carries weight 1/(N T_train) (gap.pair_weights, docs/DESIGN.md section 3), so whichever
 rank trains whichever pair, in whatever packing and order, the summed gradient is the full-batch
 mean's gradient; a stale pair's PPO ratio is against its recorded log-prob
-(tcss.behaviour_log_prob). Which fragments reach this rank and which of their pairs it trains is
-decided by the mechanisms main.py plugs in (gap.trainer_loop, tsp.lockstep_fragments /
+(async_policy.behaviour_log_prob). Which fragments reach this rank and which of their pairs it
+trains is decided by the mechanisms main.py plugs in (trainer_loop below, tsp.lockstep_fragments /
 gap.dealt_fragments, tag.Assistant); this file trains. Gradients are summed on the compute plane
-(comm.py: device tensors, main thread); metrics go over the trainers' data group (gloo, CPU).
+(comm.py: device tensors, main thread); metrics (infra/step_metrics.py) go over the trainers' data
+group (gloo, CPU).
 """
 from __future__ import annotations
 
@@ -22,14 +23,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import Shard
 
-import ema as ema_lib
+import async_policy
 import gap
 import grpo
 import models
-import tag
-import tcss
-from infra import checkpoint_file
+from flowgrpo import ema as ema_lib
+from gap import Announcement, Fragment
+from infra import checkpoint_file, step_metrics
 from infra.checkpoint_file import Deferred
+from infra.step_metrics import MetricSums, summarize
 from rollout import step_fn
 from tsp import PackStream, gather_pairs, gather_spanning
 
@@ -48,7 +50,7 @@ class TrainConfig:
     # or "sgd": plain gradient descent, the update is exactly -lr x gradient
     optimizer: str = "adamw"
     collapsed_std: float = 0.0  # a group whose rewards' std is <= this has collapsed (the metric)
-    ema: bool = False  # an EMA of the trained weights for evaluation (ema.py)
+    ema: bool = False  # an EMA of the trained weights for evaluation (flowgrpo/ema.py)
     ema_decay: float = 0.9
     ema_every: int = 8
     # the training forward runs CFG as the rollout did (Flow-GRPO's train.cfg)
@@ -72,44 +74,6 @@ class TrainConfig:
             collapsed_std=cfg.collapsed_std, ema=cfg.ema, ema_decay=cfg.ema_decay,
             ema_every=cfg.ema_every, train_cfg=cfg.train_cfg, detach_uncond=cfg.detach_uncond,
             kl_scale=cfg.kl_scale, old_log_prob=cfg.old_log_prob, ema_repeats=cfg.ema_repeats)
-
-
-class MetricSums:
-    """Per-step metric accumulators, reduced across a process group in one collective per kind."""
-
-    def __init__(self):
-        self.sums: dict[str, float] = {}
-        self.mins: dict[str, float] = {}
-        self.maxs: dict[str, float] = {}
-
-    def add(self, name: str, value) -> None:
-        self.sums[name] = self.sums.get(name, 0.0) + float(value)
-
-    def low(self, name: str, value) -> None:
-        self.mins[name] = min(self.mins.get(name, math.inf), float(value))
-
-    def high(self, name: str, value) -> None:
-        self.maxs[name] = max(self.maxs.get(name, -math.inf), float(value))
-
-    def reduce(self, group, names: tuple[list[str], list[str], list[str]] | None = None,
-               on_done: Callable[[], None] = lambda: None) -> None:
-        """Sum/min/max over `group`; every rank must hold the same key sets (pass `names` to force
-        them). `on_done()` after each of the six collectives (a unit of progress)."""
-        if group is None or dist.get_world_size(group) == 1:
-            return
-        for store, op, empty in ((self.sums, dist.ReduceOp.SUM, 0.0),
-                                 (self.mins, dist.ReduceOp.MIN, math.inf),
-                                 (self.maxs, dist.ReduceOp.MAX, -math.inf)):
-            keys = sorted(store)
-            gathered: list = [None] * dist.get_world_size(group)
-            dist.all_gather_object(gathered, keys, group=group)
-            on_done()
-            keys = sorted(set().union(*gathered))
-            values = torch.tensor([store.get(k, empty) for k in keys], dtype=torch.float64)
-            dist.all_reduce(values, op=op, group=group)
-            on_done()
-            store.clear()
-            store.update(zip(keys, values.tolist()))
 
 
 class Trainer:
@@ -255,7 +219,7 @@ class Trainer:
     def pair_loss(self, batch, weights: torch.Tensor, recorded: torch.Tensor | bool):
         """Loss of packed pairs (per-sample timesteps in one forward), weighted; returns (loss,
         stats, logp). `recorded` [p]: which pairs' ratio is against the rollout's log-prob
-        (tcss.behaviour_log_prob)."""
+        (async_policy.behaviour_log_prob)."""
         policy = self.policy
         # [p, ...]
         v = policy.velocity(batch["latents"], batch["sigma"], batch["cond"], cfg=self.cfg.train_cfg,
@@ -263,7 +227,7 @@ class Trainer:
         _, logp, mean, std = self.step_fn(v, batch["latents"], batch["sigma"], batch["sigma_next"],
                                           self.cfg.noise_level, prev_sample=batch["next_latents"])
         # TCSS's stale-pair rule
-        old = tcss.behaviour_log_prob(logp, batch["old_log_prob"], recorded)
+        old = async_policy.behaviour_log_prob(logp, batch["old_log_prob"], recorded)
         adv = batch["advantages"].to(logp.device)
         loss, stats = grpo.policy_loss(logp, old, adv, self.cfg.clip_range, weights)
         if self.cfg.beta > 0:
@@ -286,7 +250,8 @@ class Trainer:
         j > 0, Flow-GRPO's off-policy inner updates), and, with old_log_prob "rollout" (Flow-GRPO's
         train_*.py: every ratio is exp(log_prob - sample["log_probs"])), when fresh too; with
         "fresh" a fresh pair is scored against its own detached log-prob (ratio exactly 1)."""
-        stale = tcss.check_staleness(self.version, fragment.policy_version, tcss_on=True) == 1
+        stale = async_policy.check_staleness(self.version, fragment.policy_version,
+                                             tcss_on=True) == 1
         return "stale" if stale else ("later" if self.updates_in_step else "fresh")
 
     def accumulate(self, fragment, packs, masks, total_pairs: int) -> None:
@@ -329,7 +294,7 @@ class Trainer:
             m.add(k, stats[k] * real)
         m.low("ratio_min", stats["ratio_min"])
         m.high("ratio_max", stats["ratio_max"])
-        old = tcss.behaviour_log_prob(logp, batch["old_log_prob"], recorded)
+        old = async_policy.behaviour_log_prob(logp, batch["old_log_prob"], recorded)
         for kind in sorted(set(kinds)):
             of_kind = weights * torch.tensor([k == kind for k in kinds], device=dev)  # [p]
             count = float((of_kind > 0).sum())
@@ -349,27 +314,8 @@ class Trainer:
 
     def count_fragment(self, fragment, reward_names: list[str]) -> None:
         """Reward and staleness metrics of a fragment (call on exactly one trainer per fragment)."""
-        m, n = self.metrics, fragment.num_samples
-        staleness = self.version - fragment.policy_version
-        m.add("trajectories", n)
-        m.add("stale_trajectories", n * (staleness > 0))
-        m.add("staleness_sum", n * staleness)
-        # the parts of a fragment split between two updates count once
-        whole = int(fragment.opens_fragment)
-        m.add("fragments", whole)
-        m.add("stale_fragments", whole * int(staleness > 0))
-        m.add("tag_fragments", whole * int(fragment.producer == tag.TAG_PRODUCER))
-        r = fragment.rewards.to(torch.float64)
-        m.add("reward_sum", r.sum()); m.add("reward_sq", (r**2).sum())  # noqa: E702
-        for i, name in enumerate(reward_names):
-            part = fragment.reward_parts[:, i].to(torch.float64)
-            m.add(f"reward_{name}_sum", part.sum())
-            m.add(f"reward_{name}_sq", (part**2).sum())
-        groups = r.reshape(-1, fragment.group_size)
-        m.add("groups", groups.shape[0])
-        # the guard's own rule (grpo.advantages, --collapsed-std; float64, so equal rewards give 0)
-        collapsed = groups.std(dim=1, unbiased=False) <= self.cfg.collapsed_std
-        m.add("collapsed_groups", collapsed.sum())
+        step_metrics.count_fragment(self.metrics, fragment, self.version, reward_names,
+                                    self.cfg.collapsed_std)
 
     # --- the optimizer updates: M per RL step, the last one ends the step -------------------------
     def update(self) -> float:
@@ -472,39 +418,6 @@ class Trainer:
             offset += p.numel()
 
 
-def summarize(m: MetricSums, reward_names: list[str]) -> dict[str, float]:
-    s = m.sums
-    pairs, traj = max(s.get("pairs", 0.0), 1.0), max(s.get("trajectories", 0.0), 1.0)
-    out = {"loss": s.get("loss", 0.0)}
-    for k in ("approx_kl", "clipfrac", "ratio_mean", "kl"):
-        if k in s:
-            out[k] = s[k] / pairs
-    out["logprob_gap"] = s.get("logprob_gap", 0.0) / pairs
-    out["ratio_min"], out["ratio_max"] = m.mins.get("ratio_min", 1.0), m.maxs.get("ratio_max", 1.0)
-    out["update_kl"] = s.get("update_kl_sum", 0.0) / max(s.get("update_kl_pairs", 0.0), 1.0)
-    for kind in ("fresh", "later", "stale"):
-        if s.get(f"pairs_{kind}", 0) > 0:
-            out[f"ratio_mean_{kind}"] = s[f"ratio_mean_{kind}"] / s[f"pairs_{kind}"]
-            out[f"clipfrac_{kind}"] = s.get(f"clipfrac_{kind}", 0.0) / s[f"pairs_{kind}"]
-            out[f"ratio_min_{kind}"] = m.mins[f"ratio_min_{kind}"]
-            out[f"ratio_max_{kind}"] = m.maxs[f"ratio_max_{kind}"]
-    mean = s.get("reward_sum", 0.0) / traj
-    out["reward_mean"] = mean
-    out["reward_std"] = max(s.get("reward_sq", 0.0) / traj - mean**2, 0.0) ** 0.5
-    for name in reward_names:
-        mu = s.get(f"reward_{name}_sum", 0.0) / traj
-        out[f"reward_{name}_mean"] = mu
-        out[f"reward_{name}_std"] = max(s.get(f"reward_{name}_sq", 0.0) / traj - mu**2, 0.0) ** 0.5
-    out["collapsed_group_frac"] = s.get("collapsed_groups", 0.0) / max(s.get("groups", 0.0), 1.0)
-    out["stale_frac"] = s.get("stale_trajectories", 0.0) / traj
-    out["staleness_mean"] = s.get("staleness_sum", 0.0) / traj
-    out["stale_fragments"] = s.get("stale_fragments", 0.0)
-    out["tag_fragments"] = s.get("tag_fragments", 0.0)
-    out["trajectories"] = s.get("trajectories", 0.0)
-    out["pairs"] = s.get("pairs", 0.0)
-    return out
-
-
 def fused_adamw_ok(params: list[torch.Tensor]) -> bool:
     """torch's fused AdamW takes floating-point tensors on CPU or CUDA (FSDP2's DTensors included);
     it gives the for-each update to float rounding (tests/test_truth.py pins both to a hand-computed
@@ -560,7 +473,8 @@ def train_fragment(trainer: Trainer, fragment: gap.Fragment, *, pairs_of: Callab
     can fill now, the rest at flush_packs. `count` on exactly one trainer per fragment (its rewards
     enter the metrics once). `tracer` (a "train" span) and `pace` (infra/emulate.py's benchmark
     emulation) hook in from outside."""
-    tcss.check_staleness(trainer.version, fragment.policy_version, tcss_on)  # the TCSS bound
+    # the TCSS bound
+    async_policy.check_staleness(trainer.version, fragment.policy_version, tcss_on)
     if count and not fragment.minibatch_samples:  # sample minibatches: counted whole (gap)
         trainer.count_fragment(fragment, reward_names)
     moved = fragment.to(trainer.policy.device)
@@ -642,3 +556,75 @@ def shard_for_fsdp(policy, compute_group, keep_reference: bool) -> None:
             module.set_gradient_divide_factor(1.0)
             # plain SUM collectives: gloo has no PREMUL_SUM
             module.set_force_sum_reduction_for_comms(True)
+
+
+# --- the trainer rank's step: fragments in, M updates, publish (gap.py streams them in) ----------
+def nothing(*args) -> None:
+    """A hook that does nothing."""
+
+
+@dataclasses.dataclass
+class TrainerSide:
+    """What a trainer rank does, filled in by main.py: which fragments it trains in a step (dealt,
+    or TSP's lockstep), how it trains one, the updates (several per batch: `bounds`), publishing
+    (TCSS), the end of a step. A version is one RL step: published once per step, whatever the
+    number of updates."""
+
+    fragments_of: Callable[[int], Iterable[Fragment | Announcement]]
+    train: Callable[[Fragment], None]
+    optimizer_step: Callable[[int], dict]  # the step's last update, then its metrics
+    version: Callable[[], int]
+    publish: Callable[[int], None]
+    end_step: Callable[[int, dict], None]
+    before_publish: Callable[[int], object] = nothing  # TAG: claim a share of the next batch
+    # an update inside the step (minibatch j < M - 1 done)
+    update: Callable[[int], object] = nothing
+    bounds: list[tuple[int, int]] | None = None  # grpo.minibatch_bounds; None: one update
+    # before every update: train what is still open (TSP's packs)
+    flush: Callable[[], object] = nothing
+    # Batch-level advantages (flowgrpo/batch_rewards.py): when set, a step's fragments are first all
+    # collected (every group of the step is then produced, TAG's included), restated, then trained.
+    restate: Callable[[int, list[Fragment]], list[Fragment]] | None = None
+    # Flow-GRPO's sample minibatches (--minibatches samples): minibatches(step) -> M lists of the
+    # step's sample indices (grpo.sample_minibatches); the step's fragments are collected, then
+    # trained by grpo.train_by_samples, each whole fragment counted by `count`. None: whole-group
+    # minibatches.
+    minibatches: Callable[[int], list[list[int]]] | None = None
+    count: Callable[[Fragment], None] = nothing
+
+    def train_step(self, step: int, items: Iterable[Fragment | Announcement]) -> dict:
+        """One RL step's training: M minibatches, an update after each (open packs flushed
+        first)."""
+        if self.restate is not None or self.minibatches is not None:  # the whole batch first
+            items = list(items)
+        if self.restate is not None:  # the whole batch's rewards: no streaming this step
+            mine = self.restate(step, [f for f in items if isinstance(f, Fragment)])
+            items = [*mine, *(a for a in items if not isinstance(a, Fragment))]
+
+        def update(j: int) -> None:
+            self.flush()
+            self.update(step)
+        if self.minibatches is not None:
+            grpo.train_by_samples([f for f in items if isinstance(f, Fragment)],
+                                  self.minibatches(step), self.train, update, self.count)
+        elif self.bounds is None:
+            for fragment in (f for f in items if isinstance(f, Fragment)):
+                self.train(fragment)
+        else:
+            grpo.train_in_minibatches(items, self.bounds, self.train, update)
+        self.flush()
+        return self.optimizer_step(step)
+
+
+def trainer_loop(side: TrainerSide, steps: range, streaming: bool) -> None:
+    """A trainer rank: per step, train the fragments as they arrive (GAP) or after the whole batch,
+    one update per minibatch, publish the new weights, then log/evaluate/checkpoint (after
+    publishing, so the rollout ranks are not kept waiting)."""
+    # version 0, or the resumed one: rollout ranks take their first weights
+    side.publish(side.version())
+    for step in steps:
+        items = side.fragments_of(step)
+        metrics = side.train_step(step, items if streaming else list(items))
+        side.before_publish(step)
+        side.publish(side.version())
+        side.end_step(step, metrics)

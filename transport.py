@@ -8,9 +8,9 @@
     transport.WeightReceiver(src, group, shapes)       # TCSS: a rollout rank's mailbox thread
     transport.broadcast_command(command, src, group)   # TSP: the leader's (kind, a, b)
 
-The mechanism files (gap.py, tsp.py, tag.py, tcss.py) never touch torch.distributed for data:
-main.py hands them these functions. Every call here is data plane (comm.py's rule 1): CPU tensors on
-a gloo group.
+The mechanism files (gap.py, tsp.py, tag.py, async_policy.py) never touch torch.distributed for
+data: main.py hands them these functions. Every call here is data plane (comm.py's rule 1): CPU
+tensors on a gloo group.
 
 A fragment is two messages: a fixed-size int64 header (ints, dtypes, shapes, byte lengths), then ONE
 uint8 buffer holding the names and every tensor's bytes (8-byte aligned). One large message costs
@@ -278,10 +278,11 @@ def receive_weights(src: int, group, shapes: list[tuple[torch.Size, torch.dtype]
                     begin: Callable[[int], None] | None = None,
                     progress=None) -> tuple[int, list[torch.Tensor]]:
     """The receiver (blocks until the next publish), into new buffers every time: (version, one
-    tensor per weight); (version, []) for a header-only message (tcss.STOP). begin(version) is
-    called between the header and the weights. The reference for WeightReceiver, which reuses
-    its buffers (tests/test_host_memory.py). `progress` (infra.progress.Progress): the wait for the
-    next publish is idle, receiving one is a named phase with a unit of progress per bucket."""
+    tensor per weight); (version, []) for a header-only message (async_policy.STOP).
+    begin(version) is called between the header and the weights. The reference for WeightReceiver,
+    which reuses its buffers (tests/test_host_memory.py). `progress` (infra.progress.Progress):
+    the wait for the next publish is idle, receiving one is a named phase with a unit of progress
+    per bucket."""
     version, count = _receive_header(src, group, len(shapes), progress)
     if count == 0:
         return version, []
@@ -297,7 +298,7 @@ class WeightReceiver:
     publish and reused by every later one: one copy of the published weights on the host for the
     whole run (24 GB for FLUX.1-dev's full weights in bf16), where new buffers per publish cost a
     fresh 24 GB allocation (and page faults) per step and two copies at once whenever a publish
-    arrived before the last one was swapped in. The caller (tcss.Mailbox) must not read the
+    arrived before the last one was swapped in. The caller (async_policy.Mailbox) must not read the
     buffers from begin(version) until the call returns: they are being overwritten. `progress`
     as for receive_weights."""
 
@@ -309,7 +310,8 @@ class WeightReceiver:
 
     def __call__(self, begin: Callable[[int], None] | None = None
                  ) -> tuple[int, list[torch.Tensor]]:
-        """(version, one view per weight into the reused buffers); (version, []) for tcss.STOP."""
+        """(version, one view per weight into the reused buffers); (version, []) for
+        async_policy.STOP."""
         version, count = _receive_header(self.src, self.group, len(self.shapes), self.progress)
         if count == 0:
             return version, []

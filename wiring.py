@@ -6,7 +6,7 @@ fragments per step.
     send = Send(tracer, group)
     # reports seconds per group to tag.RolloutTimes
     generate = TimedGenerate(generate_fragment, rank, times)
-    # gap.TrainerSide.fragments_of: dealt or TSP
+    # TrainerSide.fragments_of: dealt or TSP
     fragments = TrainerFragments(...)
 
 None of these decide anything: the decisions are the mechanisms' (gap, tsp, tag, tcss).
@@ -19,12 +19,13 @@ from collections.abc import Callable, Iterable
 
 import comm
 import gap
+import grpo
 import rollout
 import tag
 import transport
 import tsp
 from infra.progress import Progress
-from trainer import Trainer, flush_packs, train_fragment
+from trainer import Trainer, flush_packs, nothing, train_fragment
 
 
 class Send:
@@ -41,16 +42,15 @@ class Send:
 
 
 class TimedGenerate:
-    """generate(step, first, count, version, part) on a rollout rank (part: the rest of a group TAG
-    took part of), its time per group reported for TAG."""
+    """generate(step, first, count, version) on a rollout rank, its time per group reported for
+    TAG."""
 
     def __init__(self, generate: Callable[..., gap.Fragment], rank: int, times: tag.RolloutTimes):
         self.generate, self.rank, self.times = generate, rank, times
 
-    def __call__(self, step: int, first: int, count: int, version: int,
-                 part: tuple[int, int] | None = None) -> gap.Fragment:
+    def __call__(self, step: int, first: int, count: int, version: int) -> gap.Fragment:
         start = time.perf_counter()
-        fragment, = self.generate(step, [(first, count)], version, self.rank, part=part)
+        fragment, = self.generate(step, [(first, count)], version, self.rank)
         self.times.report(self.rank, time.perf_counter() - start,
                           fragment.num_samples / fragment.group_size)
         return fragment
@@ -91,8 +91,7 @@ class TrainerFragments:
             functools.partial(self.wait, step, decide), self.share_command,
             functools.partial(self.receive_seq, step), self.share_fragment,
             functools.partial(self.assist, step))
-        return tag.whole_groups(fragments, self.complete, gap.concat_fragments,
-                                gap.rows_of)  # TAG's part claims: parts joined into whole groups
+        return tag.with_advantages(fragments, self.complete)  # TAG's claims: advantages once joined
 
     def arrived(self, step: int, seq: int) -> bool:
         return self.queue.poll(step, seq) is not None
@@ -145,10 +144,10 @@ class TrainerFragments:
     def generate_part(self, step: int, lo: int, hi: int, calls: int = 0) -> gap.Fragment:
         """Trajectories [lo, hi) of the step: scored, no advantages yet (in at least `calls` forward
         batches: FSDP's lockstep)."""
-        first, count, *part = gap.claim_of(lo, hi, self.cfg.group_size)
         g = self.cfg.group_size
-        return self.generate(step, [(first, count)], self.version(), tag.TAG_PRODUCER,
-                             part=part[0] if part else (0, count * g), calls=calls)[0]
+        first, last = lo // g, -(-hi // g)  # the groups [lo, hi) touches, then its rows in them
+        return self.generate(step, [(first, last - first)], self.version(), tag.TAG_PRODUCER,
+                             part=(lo - first * g, hi - first * g), calls=calls)[0]
 
     def complete(self, fragment: gap.Fragment) -> gap.Fragment:
         """Joined whole groups with their group advantages (they need the whole group)."""
@@ -164,8 +163,7 @@ def assistant(cfg, groups: comm.Groups, queue: gap.FragmentQueue, job) -> tag.As
                          quantum=1, claim=queue.claim_samples,  # split by trajectories: fits FSDP
                          claimed=queue.num_claimed_samples, announced=queue.num_announced_samples,
                          rollout_gen_s=times.per_fragment_s, steps=cfg.steps,
-                         group_size=cfg.group_size,  # the predictor costs the split by trajectories
-                         part_groups=cfg.tag_part_groups)  # claims of part of a group
+                         group_size=cfg.group_size)  # the predictor costs the split by trajectories
 
 
 def publish(groups: comm.Groups, dtype, tensors, count: int, version: int) -> None:
@@ -176,7 +174,7 @@ def publish(groups: comm.Groups, dtype, tensors, count: int, version: int) -> No
 
 
 def minibatch_plan(cfg, batch) -> Callable[[int], list[list[int]]] | None:
-    """gap.TrainerSide's `minibatches` with --minibatches samples (Flow-GRPO's): the step's samples
+    """TrainerSide's `minibatches` with --minibatches samples (Flow-GRPO's): the step's samples
     permuted and cut into M, zero advantages dropped with --drop-zero-advantage (the batch's
     advantages: batch_rewards.BatchRewards); None for minibatches of whole groups."""
     if cfg.minibatches != "samples":
@@ -185,31 +183,31 @@ def minibatch_plan(cfg, batch) -> Callable[[int], list[list[int]]] | None:
 
     def plan(step: int) -> list[list[int]]:
         keep = batch.batch_advantages(step, []) != 0 if cfg.drop_zero_advantage else None
-        return gap.sample_minibatches(total, cfg.updates_per_batch,
-                                      gap.minibatch_seed(cfg.seed, step), keep)
+        return grpo.sample_minibatches(total, cfg.updates_per_batch,
+                                       grpo.minibatch_seed(cfg.seed, step), keep)
     return plan
 
 
 def fragment_training(cfg, groups: comm.Groups, trainer: Trainer, bounds: list[tuple[int, int]],
                       t_train: int, reward_names: list[str], tracer, pace,
                       on_trained) -> tuple[Callable, Callable, Callable]:
-    """gap.TrainerSide's `train`, `flush` and `count`: TSP's share of each fragment
+    """TrainerSide's `train`, `flush` and `count`: TSP's share of each fragment
     (tsp.trainer_packs; with --tsp-span its packs span fragments, tsp.PackStream, padded at flush),
     else the whole fragment per timestep; each pair weighs 1/(N_j T_train), its minibatch's mean
-    (gap.minibatch_pairs); `count` a whole fragment's rewards into the metrics (sample
+    (grpo.minibatch_pairs); `count` a whole fragment's rewards into the metrics (sample
     minibatches), on one trainer per fragment."""
     pairs_of = functools.partial(tsp.trainer_packs, rank=groups.trainer_index, pack=cfg.tsp_pack,
                                  world=groups.num_trainers, spread=cfg.tsp)
     stream = tsp.PackStream(groups.trainer_index, groups.num_trainers, cfg.tsp_pack) \
         if cfg.tsp and cfg.tsp_span else None
-    denominators = functools.partial(gap.minibatch_pairs, bounds, cfg.group_size, t_train)
+    denominators = functools.partial(grpo.minibatch_pairs, bounds, cfg.group_size, t_train)
     counts = groups.is_leader or not cfg.tsp
     count = functools.partial(trainer.count_fragment, reward_names=reward_names) if counts else \
-        gap.nothing
+        nothing
     train = functools.partial(train_fragment, trainer, pairs_of=pairs_of,
                               count=counts, total_pairs=denominators,
                               tcss_on=cfg.use_tcss, reward_names=reward_names, tracer=tracer,
                               pace=pace, on_trained=on_trained, stream=stream)
     if stream is None:
-        return train, gap.nothing, count
+        return train, nothing, count
     return train, functools.partial(flush_packs, trainer, stream, denominators, tracer, pace), count

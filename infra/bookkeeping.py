@@ -2,7 +2,7 @@
 end of a step (log, evaluate, checkpoint, forget old store keys, the progress bar).
 
     books = Bookkeeping(cfg, steps, trainer, policy, source, sampling, score, reward_names, tracer, job, leader)
-    side = gap.TrainerSide(..., optimizer_step=books.optimizer_step, end_step=books.end_step, ...)
+    side = trainer.TrainerSide(..., optimizer_step=books.optimizer_step, end_step=books.end_step, ...)
     books.forgetting(queue.forget_old, assistant.forget)   # per-step state the mechanisms drop
 
 The leader writes the run directory (infra/rundir.py); every trainer evaluates its share of the evaluation

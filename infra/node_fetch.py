@@ -1,6 +1,6 @@
 """A Hub `--pretrained` under torchrun: one download per node, and no rank gives up on a node still downloading.
 
-    fetch = NodeFetch.under_torchrun(os.environ)   # before validation (infra/cli.py)
+    fetch = NodeFetch.under_torchrun(os.environ)   # before validation (cli.py)
     cfg = cli.prepare(argv, fetch=fetch)           # fetch(cfg): local rank 0 downloads, the others wait
     run_rank(..., store=fetch.store)               # the job's store, opened here, is the rank's
 

@@ -83,7 +83,7 @@ def run_job(args: list[str], folder, name: str, cache: str, bound_s: float, faul
             comm_log: str | None = None, inject: tuple[str, ...] = (), after_mark_s: float | None = None) -> Job:
     """main.py's job for `args` (its ranks in this process's forkserver), at most `bound_s` seconds, or
     `after_mark_s` after a stall's mark file appeared: then the test kills the ranks itself (killed_by_test)."""
-    from infra import cli
+    import cli
     from infra.launch import launch
     import comm
 

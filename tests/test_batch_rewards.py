@@ -1,4 +1,4 @@
-"""Flow-GRPO's batch-level advantages in the runtime (batch_rewards.py, gap.TrainerSide.restate):
+"""Flow-GRPO's batch-level advantages in the runtime (flowgrpo/batch_rewards.py, TrainerSide.restate):
 
 - the trainer loop and the colocated loop train exactly the advantages of Flow-GRPO's own code (the
   PerPromptStatTracker and train_sd3.py block re-typed in tests/test_advantages.py, from
@@ -23,10 +23,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import batch_rewards
+from flowgrpo import batch_rewards
 import config
 import colocated
 import gap
+from trainer import TrainerSide, trainer_loop, nothing
 import grpo
 import models
 import rewards
@@ -79,10 +80,10 @@ def _trained(fragments: dict[int, torch.Tensor]) -> torch.Tensor:
     return torch.cat([fragments[first] for first, _ in CUT])
 
 
-def _side(restate, fragments, trained) -> gap.TrainerSide:
-    return gap.TrainerSide(fragments_of=lambda step: iter(fragments),
+def _side(restate, fragments, trained) -> TrainerSide:
+    return TrainerSide(fragments_of=lambda step: iter(fragments),
                            train=lambda f: trained.__setitem__(f.first_group, f.advantages),
-                           optimizer_step=lambda step: {}, version=lambda: 0, publish=gap.nothing,
+                           optimizer_step=lambda step: {}, version=lambda: 0, publish=nothing,
                            end_step=lambda step, metrics: None, restate=restate)
 
 
@@ -100,14 +101,14 @@ def test_the_trainer_loop_trains_flow_grpos_advantages(global_std, seed):
     random.Random(seed).shuffle(fragments)  # arrival order
     for streaming in (True, False):  # GAP and the naive barrier
         trained = {}
-        gap.trainer_loop(_side(_rewards_of(cfg).restate, fragments, trained), range(1), streaming)
+        trainer_loop(_side(_rewards_of(cfg).restate, fragments, trained), range(1), streaming)
         torch.testing.assert_close(_trained(trained), theirs[:, 0].float(), rtol=1e-5, atol=1e-5)
     assert not keep.all()  # grey (all equal) is one Flow-GRPO drops: here its advantages are 0 too
     assert float(_trained(trained)[~keep].abs().max()) == 0
     per_group = torch.cat([_fragment(rewards, f, c).advantages for f, c in CUT])
     assert float((per_group - theirs[:, 0]).abs().max()) > 0.1  # pooling / global std changed them
     trained = {}  # without the hook the loop trains what the fragments carry: per group
-    gap.trainer_loop(_side(None, fragments, trained), range(1), True)
+    trainer_loop(_side(None, fragments, trained), range(1), True)
     torch.testing.assert_close(_trained(trained), per_group)
 
 

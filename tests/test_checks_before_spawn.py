@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 
 import main
-from infra import cli
+import cli
 import rewards
 from conftest import ROOT
 from rewards.remote import BACKOFF_CAP_S, backoff_delays

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import main
-from infra import cli
+import cli
 from conftest import ROOT, checkpoint_weights, rank_pids, read_metrics, run_main
 
 pytestmark = pytest.mark.timeout(300)
@@ -57,9 +57,6 @@ BAD = [
     (["--placement", "colocated", "--gap"], "need --placement disaggregated"),
     (["--placement", "disaggregated", "--tag"], "--tag needs --gap and --tsp"),
     (["--placement", "disaggregated", "--gap", "--tag"], "--tag needs --gap and --tsp"),
-    (["--placement", "disaggregated", "--gap", "--tsp", "--tag-part-groups", "--updates-per-batch", "1"],
-     "--tag-part-groups needs --tag"),
-    (["--tag-part-groups", "--updates-per-batch", "2"], "--tag-part-groups needs --tag and --updates-per-batch 1"),
     (["--mode", "warp"], "--mode 'warp' is not one of"),
     (["--mode", "colocated", "--tsp"], "need --placement disaggregated"),
     (["--timestep-fraction", "1.5"], "--timestep-fraction must be in (0, 1]"),

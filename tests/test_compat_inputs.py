@@ -142,7 +142,7 @@ def test_a_reward_returning_the_wrong_thing_is_refused_before_spawn(function, me
 
 def test_video_families_dry_call_custom_rewards_on_videos(reward_file):
     import config
-    from infra import cli
+    import cli
 
     cfg = cli.prepare(["--model", "wan", "--reward", f"{reward_file}:plain"])  # the dry call passed on videos
     images, prompts, metadata = config.reward_probe(cfg, config.prompt_source(cfg))

@@ -140,7 +140,7 @@ def test_init_lora_starts_from_the_file_with_its_rank_and_alpha(lora_run, tiny_c
 
 
 def test_init_lora_that_does_not_fit_is_refused_before_spawn(lora_run, tiny_cache):
-    from infra import cli
+    import cli
 
     start = str(lora_run / "checkpoints" / "step_000001")
     # Trained on all-linear, asked the default preset: the file has more modules than the preset selects.
@@ -160,7 +160,7 @@ def test_config_file_and_resume_overrides(lora_run, tiny_cache, capsys):
     import dataclasses
 
     import config as config_lib
-    from infra import cli
+    import cli
 
     saved = json.loads((lora_run / "config.json").read_text())
     fresh = dataclasses.asdict(cli.prepare(["--config", str(lora_run / "config.json"), "--steps", "7"]))
@@ -182,7 +182,7 @@ def test_config_file_and_resume_overrides(lora_run, tiny_cache, capsys):
 
 HUB_SCRIPT = """
 import sys, models
-from infra import cli
+import cli
 for repo_id in sys.argv[1:]:
     try:
         cfg = cli.prepare(["--model", "flux", "--pretrained", repo_id])
@@ -200,7 +200,7 @@ def test_pretrained_hub_id_from_the_cache_or_a_clear_refusal(tiny_cache, tmp_pat
     import subprocess
     import sys
 
-    from infra import cli
+    import cli
     from conftest import ROOT
     repo = tmp_path / "hf" / "hub" / "models--digenrl-test--tiny-flux"
     commit = "0" * 40

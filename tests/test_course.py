@@ -29,7 +29,7 @@ from tools import course, simulate
 pytestmark = pytest.mark.timeout(600)
 PAGE = os.path.join(ROOT, "docs", "COURSE.md")
 NOTES = os.path.join(ROOT, "docs", "COURSE_NOTES.md")
-BLANKED = {1: ["tsp.py"], 2: ["tag.py"], 3: ["tcss.py"]}  # what each blank block changes
+BLANKED = {1: ["tsp.py"], 2: ["tag.py"], 3: ["async_policy.py"]}  # what each blank block changes
 
 
 def blocks(kind: str) -> dict[int, str]:
@@ -189,9 +189,9 @@ def test_blanked_functions_fail_their_graders_and_restore_gives_every_byte_back(
               if any("NotImplementedError" in (f.get("message") or "") for f in case.iter("failure"))}
     # each grader fails on its stub (test_tag_predictor's split-time test does not call the predictor)
     assert failed == {"tests.test_tsp_tag", "tests.test_tag_predictor", "tests.test_tcss_rule"}, proc.stdout[-3000:]
-    proc = run("python tools/course.py restore tsp.py tag.py tcss.py", copy, tiny_cache, tmp_path)
+    proc = run("python tools/course.py restore tsp.py tag.py async_policy.py", copy, tiny_cache, tmp_path)
     assert proc.returncode == 0, proc.stderr
-    for rel in ("tsp.py", "tag.py", "tcss.py"):
+    for rel in ("tsp.py", "tag.py", "async_policy.py"):
         with open(os.path.join(ROOT, rel), "rb") as a, open(os.path.join(copy, rel), "rb") as b:
             assert a.read() == b.read(), rel
     assert not os.listdir(os.path.join(copy, ".course"))  # no backup left behind
@@ -204,7 +204,7 @@ def test_blanked_functions_fail_their_graders_and_restore_gives_every_byte_back(
     assert not os.path.exists(os.path.join(handout, ".course"))
     assert not os.path.exists(os.path.join(handout, "docs", "COURSE_NOTES.md"))
     assert os.path.isfile(os.path.join(handout, "docs", "COURSE.md"))
-    for rel in ("tsp.py", "tag.py", "tcss.py"):
+    for rel in ("tsp.py", "tag.py", "async_policy.py"):
         with open(os.path.join(ROOT, rel), "rb") as a, open(os.path.join(copy, rel), "rb") as b:
             assert a.read() == b.read(), rel
 

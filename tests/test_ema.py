@@ -1,4 +1,4 @@
-"""ema.py, Flow-GRPO's EMA of the trained weights (--ema): its arithmetic by hand, and the Trainer's use of it
+"""flowgrpo/ema.py, Flow-GRPO's EMA of the trained weights (--ema): its arithmetic by hand, and the Trainer's use of it
 (evaluation swaps it in and back, checkpoints carry it, a resume restores it)."""
 import io
 import types
@@ -6,7 +6,7 @@ import types
 import pytest
 import torch
 
-import ema
+from flowgrpo import ema
 from trainer import Trainer, TrainConfig
 
 pytestmark = pytest.mark.timeout(60)

@@ -98,7 +98,7 @@ def test_evaluation_settings_apart_from_training(policy, monkeypatch):
     import types
 
     import config
-    from infra import cli
+    import cli
     from infra.bookkeeping import Bookkeeping
 
     seen = []

@@ -1,5 +1,5 @@
 """The rollout rank's background threads fail loudly: an error in the fragment sender (transport.FragmentSender)
-or in the weight mailbox (tcss.Mailbox) ends the rank's main thread with a message naming the thread,
+or in the weight mailbox (async_policy.Mailbox) ends the rank's main thread with a message naming the thread,
 wherever the main thread is at that moment; never a hang (no wait has a deadline, and liveness sees two
 live ranks that each wait for the other).
 
@@ -7,7 +7,7 @@ Bugs caught: an error the thread swallows (the main thread would wait for ever);
 the sender only when it hands it the next fragment (it hung in `mailbox.wait_for` when the send of a step's
 last fragment failed: the trainer waits for that fragment, the rollout for the weights that follow it).
 
-The harness (tests/dist_harness.py) runs the real `gap.rollout_loop` with a real sender and tcss.RolloutWeights
+The harness (tests/dist_harness.py) runs the real `gap.rollout_loop` with a real sender and async_policy.RolloutWeights
 on rank 0 and a scripted trainer on rank 1 (receives fragments as announced, publishes a version after each
 step). The rollout loop is the same code in every disaggregated mode (naive, gap, gap+tsp, gap+tsp+tag,
 digenrl); what changes its control flow is TCSS (the stale budget: generate-ahead between a step's last
@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 import dist_harness
 import gap
-import tcss
+import async_policy
 import transport
 from conftest import ROOT
 
@@ -54,7 +54,7 @@ def _worker(rank, world, store, fault, use_tcss, fragment_groups, groups_per_ste
             for seq in range(groups_per_step // fragment_groups):
                 transport.recv_fragment(queue.wait(step, seq).producer, group=data)
             transport.publish_weights(iter(weights), 1, step + 1, src=1, group=publish)
-        transport.publish_weights([], 0, tcss.STOP, src=1, group=publish)
+        transport.publish_weights([], 0, async_policy.STOP, src=1, group=publish)
         return "trainer done"
 
     calls = {"send": 0, "publish": 0}
@@ -79,8 +79,8 @@ def _worker(rank, world, store, fault, use_tcss, fragment_groups, groups_per_ste
         return _fragment(step, first, count, version, 0)
 
     sender = transport.FragmentSender(failing_send)
-    budget = tcss.StaleBudget(dist.PrefixStore("stale", store), 1) if use_tcss else None
-    weights = tcss.RolloutWeights(tcss.Mailbox(failing_receive), params, budget, also_check=sender.raise_if_failed)
+    budget = async_policy.StaleBudget(dist.PrefixStore("stale", store), 1) if use_tcss else None
+    weights = async_policy.RolloutWeights(async_policy.Mailbox(failing_receive), params, budget, also_check=sender.raise_if_failed)
     gap.rollout_loop(rank=0, steps=range(STEPS), queue=queue, fragment_groups=fragment_groups, generate=generate,
                      send=sender.put, destination_of=lambda seq: 1, weights=weights)
     sender.close()

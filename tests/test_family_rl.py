@@ -168,7 +168,7 @@ def test_dance_grpo_hunyuanvideo_two_steps_with_an_animated_eval(tiny_cache, tmp
 
 
 def test_video_lengths_the_vae_cannot_represent_are_refused(tiny_cache):
-    from infra import cli
+    import cli
 
     with pytest.raises(ValueError, match="--frames 4 is not valid for wan"):
         cli.prepare(["--model", "wan", "--frames", "4"])

@@ -13,7 +13,7 @@ policy and the KL term acts from the first pair) and train the same trajectories
 sampled sub-batches each, recorded log-probs off by up to three clip ranges (a rollout's other numerics), max_grad_norm 0.05 (clipping acts), EMA every 2 updates (its trigger falls inside the
 step, applied twice: one ema.step per sub-batch). One prompt's rewards are all equal: SD3's script drops its
 samples (advantage 0) and re-divides the rest; FLUX's keeps them. Ours runs the real trainer side
-(gap.TrainerSide with --minibatches samples, batch_rewards.BatchRewards's restate, wiring.fragment_training's TSP
+(TrainerSide with --minibatches samples, batch_rewards.BatchRewards's restate, wiring.fragment_training's TSP
 packs, trainer.Trainer) from the run's resolved Config. The trained weights and the EMA must equal Flow-GRPO's
 (allclose in float32), and each hand-made bug of issue 39 must break that: the KL over the step variance
 (--kl-scale step), the unconditional branch back-propagated (--no-detach-uncond), update 0 against its own
@@ -28,17 +28,18 @@ import functools
 import pytest
 import torch
 
-import batch_rewards
+from flowgrpo import batch_rewards
 import comm
 import config
 import gap
+import grpo
 import models
 import wiring
 from conftest import tiny_fragment  # noqa: F401  (the tiny_cache fixture comes with conftest)
 from infra.tracing import Tracer
 from rollout import SamplingConfig, generate_fragment
 from test_reference_steps import flow_grpo_sde_step_with_logprob as sde_step_with_logprob
-from trainer import TrainConfig, Trainer
+from trainer import TrainConfig, Trainer, TrainerSide, nothing
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -100,18 +101,18 @@ def trajectories(policy, cfg):
 
 # --- ours: the real trainer side --------------------------------------------------------------------------------
 def our_step(policy, fragments, cfg):
-    """One RL step through gap.TrainerSide as trainer_rank wires it (one colocated rank): restated batch
+    """One RL step through TrainerSide as trainer_rank wires it (one colocated rank): restated batch
     advantages, the step's sample minibatches, TSP packs, M updates and the step's optimizer step."""
     trainer = Trainer(policy, TrainConfig.of(cfg))
     groups = comm.build_groups(0, 1, "colocated", 1)
     t_train = int(T * cfg.timestep_fraction)
-    bounds = gap.minibatch_bounds(cfg.prompts_per_step, cfg.updates_per_batch)
+    bounds = grpo.minibatch_bounds(cfg.prompts_per_step, cfg.updates_per_batch)
     train, flush, count = wiring.fragment_training(cfg, groups, trainer, bounds, t_train, ["r"],
                                                    Tracer(0, "trainer", enabled=False),
                                                    contextlib.nullcontext, None)
     batch = batch_rewards.BatchRewards(None, cfg.prompts_per_step, G, batch_rewards.run_advantages(cfg))
-    side = gap.TrainerSide(fragments_of=None, train=train, optimizer_step=lambda step: trainer.step(["r"]),
-                           version=trainer.current_version, publish=gap.nothing, end_step=gap.nothing,
+    side = TrainerSide(fragments_of=None, train=train, optimizer_step=lambda step: trainer.step(["r"]),
+                           version=trainer.current_version, publish=nothing, end_step=nothing,
                            update=lambda step: trainer.update(), bounds=bounds, flush=flush,
                            restate=batch.restate, minibatches=wiring.minibatch_plan(cfg, batch), count=count)
     metrics = side.train_step(0, list(fragments))
@@ -236,7 +237,7 @@ def their_step(model, policy, fragments, minibatch_seed, mask_zero_advantages):
     samples["advantages"] = torch.as_tensor(per_prompt_advantages(prompts, rewards, True))  # lines 761, 785-789
     samples["timesteps"] = samples["timesteps"][:, :num_train_timesteps]  # (only the trained steps are kept here)
     neg = {k: v for k, v in policy.negative_cond.items()} if policy.negative_cond is not None else None
-    torch.manual_seed(minibatch_seed)  # the draws below are ours (gap.minibatch_seed): the same permutation
+    torch.manual_seed(minibatch_seed)  # the draws below are ours (grpo.minibatch_seed): the same permutation
     if mask_zero_advantages:
         mask = samples["advantages"].abs().sum(dim=1) != 0  # line 797
         num_batches = NUM_BATCHES
@@ -305,7 +306,7 @@ def step(request, tiny_cache):
     cfg = run_config(model)
     fragments = trajectories(ours, cfg)
     initial = [p.detach().clone() for p in ours.transformer.parameters() if p.requires_grad]
-    want, want_ema = their_step(model, theirs, fragments, gap.minibatch_seed(cfg.seed, 0),
+    want, want_ema = their_step(model, theirs, fragments, grpo.minibatch_seed(cfg.seed, 0),
                                 mask_zero_advantages=model == "sd3")
     return model, ours, fragments, initial, want, want_ema
 
@@ -366,11 +367,11 @@ def test_each_departure_breaks_the_equality(step, bug):
 
 @pytest.mark.parametrize("kept", [8, 5, 2, 0])
 def test_sample_minibatches_are_flow_grpos_mask_padding_and_permutation(kept):
-    """gap.sample_minibatches against train_sd3.py lines 797-836 re-typed (one GPU, num_batches_per_epoch = M = 2,
+    """grpo.sample_minibatches against train_sd3.py lines 797-836 re-typed (one GPU, num_batches_per_epoch = M = 2,
     so its unit and ours agree), from the same seed: the kept samples, the dropped ones put back at random to make
     the count divisible (5 kept of 8: one put back), the permutation and the cut. Catches a pad to the wrong
     multiple, a put-back sample chosen otherwise, a cut that is not consecutive."""
-    total, updates, seed = 8, 2, gap.minibatch_seed(3, 7)
+    total, updates, seed = 8, 2, grpo.minibatch_seed(3, 7)
     advantages = torch.zeros(total, 2)
     advantages[torch.tensor([1, 2, 4, 6, 7, 0, 3, 5][:kept], dtype=torch.long)] = 1.0
     torch.manual_seed(seed)
@@ -384,7 +385,7 @@ def test_sample_minibatches_are_flow_grpos_mask_padding_and_permutation(kept):
     index = torch.arange(total)[mask]  # line 817
     index = index[torch.randperm(len(index))]  # lines 829-830
     want = index.reshape(-1, len(index) // updates).tolist() if len(index) else [[], []]  # lines 833-836
-    assert gap.sample_minibatches(total, updates, seed, advantages[:, 0] != 0) == want
+    assert grpo.sample_minibatches(total, updates, seed, advantages[:, 0] != 0) == want
     if kept == 5:
         assert sum(len(m) for m in want) == 6  # one dropped sample put back
 

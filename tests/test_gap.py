@@ -1,5 +1,5 @@
 """transport.py: a gap.Fragment round-trips through send/recv and broadcast bit-exactly; concurrent claims are
-unique. transport.py's bucketed publishing into tcss.Mailbox, in the same three processes: published weights reach the rollout's model (Mailbox.swap_into),
+unique. transport.py's bucketed publishing into async_policy.Mailbox, in the same three processes: published weights reach the rollout's model (Mailbox.swap_into),
 in the rollout's dtype, newest version first (catches a mailbox that reports a version it never copied in)."""
 import pytest
 import torch
@@ -9,7 +9,8 @@ import torch.distributed as dist
 import dist_harness
 import colocated
 import gap
-import tcss
+import grpo
+import async_policy
 import transport
 
 pytestmark = pytest.mark.timeout(120)
@@ -59,11 +60,11 @@ def _worker(rank, world, store):
             transport.publish_weights(iter(published[version]), 4, version, src=2, group=dist.group.WORLD,
                                       dtypes=[torch.float32, torch.bfloat16, torch.float32, torch.float32],
                                       bucket_bytes=20)
-        transport.publish_weights([], 0, tcss.STOP, src=2, group=dist.group.WORLD)
+        transport.publish_weights([], 0, async_policy.STOP, src=2, group=dist.group.WORLD)
     else:
         params = [torch.zeros(3), torch.zeros(2, 2, dtype=torch.bfloat16), torch.zeros(10), torch.zeros(())]
         shapes = [(p.shape, p.dtype) for p in params]
-        mailbox = tcss.Mailbox(transport.WeightReceiver(2, dist.group.WORLD, shapes, 20))
+        mailbox = async_policy.Mailbox(transport.WeightReceiver(2, dist.group.WORLD, shapes, 20))
         mailbox.wait_for(2)
         assert mailbox.swap_into(params) == 2 == mailbox.held_version
         mailbox.join()
@@ -120,7 +121,7 @@ def test_every_colocated_rank_trains_in_every_update(groups, fragment_groups, up
     has at least `world` groups (with fragments r, r + P, ... of the whole batch, B = 4 in fragments
     of 2 at M = 2 put each minibatch on one rank: the other idled through half the training). Its
     generation calls (colocated.generation_batches) hold fragment_groups groups each, the last maybe fewer."""
-    bounds = gap.minibatch_bounds(groups, updates)
+    bounds = grpo.minibatch_bounds(groups, updates)
     shares = [colocated.static_claims(bounds, rank, world, 0) for rank in range(world)]
     covered = sorted(g for share in shares for first, count in share for g in range(first, first + count))
     assert covered == list(range(groups))
@@ -139,7 +140,7 @@ def test_every_colocated_rank_trains_in_every_update(groups, fragment_groups, up
 def test_generation_batches_and_split_rows_by_hand():
     """B = 4, M = 2, P = 2: rank 0 holds groups 0 and 2, one call of 2 groups (8 samples at G = 4, as one
     Flow-GRPO sampling batch), cut back into the fragments of groups [0, 1) and [2, 3)."""
-    assert colocated.static_claims(gap.minibatch_bounds(4, 2), 0, 2, 0) == [(0, 1), (2, 1)]
+    assert colocated.static_claims(grpo.minibatch_bounds(4, 2), 0, 2, 0) == [(0, 1), (2, 1)]
     assert colocated.generation_batches([(0, 1), (2, 1)], 2) == [[(0, 1), (2, 1)]]
     assert colocated.generation_batches([(0, 3), (6, 3)], 2) == [[(0, 2)], [(2, 1), (6, 1)], [(7, 2)]]
     spec = gap.fragment_spec(0, 0, 0, 4, 10, 4, 2)

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from infra import cli
+import cli
 from conftest import ROOT
 
 SCRIPT = os.path.join(ROOT, "tools", "gpu_session.sh")

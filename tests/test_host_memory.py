@@ -17,7 +17,7 @@ import zipfile
 import pytest
 import torch
 
-import tcss
+import async_policy
 import transport
 from host_bytes import NewStorages
 from infra import checkpoint_file, rundir
@@ -178,9 +178,9 @@ def test_a_rollout_rank_receives_every_publish_into_the_same_buffers(monkeypatch
 
 
 class ScriptedPublish:
-    """A receive for tcss.Mailbox over persistent buffers, paced by the test: publish v waits for go[v], calls
+    """A receive for async_policy.Mailbox over persistent buffers, paced by the test: publish v waits for go[v], calls
     begin(v) (then sets begun[v]), writes the first buffer, waits for `resume` if v is `pause_at`, writes the rest.
-    After `last` it sends tcss.STOP."""
+    After `last` it sends async_policy.STOP."""
 
     def __init__(self, n: int, last: int):
         self.buffers = [torch.zeros(4) for _ in range(n)]
@@ -193,7 +193,7 @@ class ScriptedPublish:
         self.version += 1
         self.go[self.version].wait()
         if self.version > self.last:
-            return tcss.STOP, []
+            return async_policy.STOP, []
         begin(self.version)
         self.begun[self.version].set()
         self.buffers[0].fill_(self.version)
@@ -219,7 +219,7 @@ def test_the_mailbox_never_swaps_in_a_publish_half_received_into_reused_buffers(
     pauses halfway: a swap waits, then takes all of version 2. Holding version 2, a swap during version 3's
     receive returns at once, still with version 2."""
     wire = ScriptedPublish(3, last=3)
-    mailbox = tcss.Mailbox(wire)
+    mailbox = async_policy.Mailbox(wire)
     params = [torch.zeros(4) for _ in range(3)]
     wire.go[1].set()
     mailbox.wait_for(1)
@@ -252,7 +252,7 @@ def test_a_publish_waits_for_the_swap_reading_its_buffers():
     """Catches a receive that overwrites the buffers while the main thread copies them into the model: begin() of
     the next publish returns only after the swap in progress has finished."""
     wire = ScriptedPublish(1, last=2)
-    mailbox = tcss.Mailbox(wire)
+    mailbox = async_policy.Mailbox(wire)
     copying, release = threading.Event(), threading.Event()
 
     class SlowParam:  # the model's weight; its copy is held halfway by the test
@@ -282,7 +282,7 @@ def _probe_rank(payload, rank, world, local_rank, master, agent_store, report_si
     - a rollout rank: the bytes its weight mailbox thread allocated over the run, and the versions it received."""
     import main
     import models
-    import tcss as tcss_lib
+    import async_policy as tcss_lib
     from infra import bookkeeping, runtime
 
     out = {}
@@ -335,7 +335,7 @@ def test_host_memory_of_a_full_fine_tuning_run(tiny_cache, tmp_path, monkeypatch
     - the rollout rank allocated a new copy of the published weights per publish: now one for the run;
     - a trainer made the fp32 masters of the whole transformer before sharding (4 bytes a parameter): now of its
       shard (4 / K), plus one tensor's re-padding at a time."""
-    from infra import cli
+    import cli
     from infra.launch import launch
 
     import comm

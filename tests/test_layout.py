@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT
 
 pytestmark = pytest.mark.timeout(120)
-MECHANISMS = ["gap.py", "tsp.py", "tag.py", "tcss.py"]
+MECHANISMS = ["gap.py", "tsp.py", "tag.py", "async_policy.py"]
 ALLOWED_THIRD_PARTY = {"torch", "einops"}
 
 
@@ -129,6 +129,15 @@ def test_no_import_cycles():
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
+def test_nothing_under_infra_imports_config():
+    """The arrow runs one way (docs/DESIGN.md): config.py may use infra/, infra/ never reads the options module,
+    so infra/ can be reused without this project's Config. Catches an `import config` (or `from config import`)
+    anywhere in infra/, function-level imports included."""
+    offenders = sorted(name for name, path in _project_modules().items() if name.startswith("infra.")
+                       and any(n == "config" or n.startswith("config.") for n in _imports(path, "infra")))
+    assert not offenders, f"{offenders} import config.py (the command line lives in cli.py, at the top level)"
+
+
 OUTSIDE = "shared" + "/"  # spelled in two parts so that this file does not match itself (or a repo-wide grep)
 
 
@@ -148,11 +157,11 @@ def test_nothing_points_outside_the_repository():
 
 # --- line width, main.py's length, function length ------------------------------------------------
 MAX_COLUMNS = 100
-WRAPPED = ["main.py", "config.py", "gap.py", "tsp.py", "tag.py", "tcss.py", "rollout.py",
-           "trainer.py", "grpo.py", "wiring.py", "transport.py", "comm.py", "batch_rewards.py",
-           "ema.py", "presets.py", "colocated.py"]
-MAIN_MAX_LINES = 200
-CORE = ["main.py", "gap.py", "tsp.py", "tag.py", "tcss.py", "rollout.py", "trainer.py", "grpo.py"]
+WRAPPED = ["main.py", "config.py", "gap.py", "tsp.py", "tag.py", "async_policy.py", "rollout.py",
+           "trainer.py", "grpo.py", "wiring.py", "transport.py", "comm.py", "flowgrpo/batch_rewards.py",
+           "flowgrpo/ema.py", "flowgrpo/presets.py", "colocated.py"]
+MAIN_MAX_LINES = 300  # issue 41: main.py writes out both ranks' loops (about 300 lines is fine)
+CORE = ["main.py", "gap.py", "tsp.py", "tag.py", "async_policy.py", "rollout.py", "trainer.py", "grpo.py"]
 MAX_FUNCTION_LINES = 60
 
 
@@ -195,8 +204,8 @@ def test_no_line_is_wider_than_100_columns(name):
     assert not long, f"lines over {MAX_COLUMNS} columns: {long}"
 
 
-def test_main_py_stays_at_most_200_lines():
-    """main.py is the wiring read top to bottom: what grows there belongs in wiring.py or infra/."""
+def test_main_py_stays_at_most_300_lines():
+    """main.py is the step read top to bottom: what grows there belongs in a mechanism, infra/ or the trainer."""
     with open(os.path.join(ROOT, "main.py"), encoding="utf-8") as f:
         lines = len(f.readlines())
     assert lines <= MAIN_MAX_LINES, f"main.py has {lines} lines (at most {MAIN_MAX_LINES})"

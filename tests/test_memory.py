@@ -143,7 +143,7 @@ def test_fsdp_trainers_hold_one_kth_of_the_model_and_optimizer(beta, tiny_cache,
     import json
 
     import comm
-    from infra import cli
+    import cli
     from infra.launch import launch
 
     monkeypatch.setenv("DIGENRL_MEMORY_PROBE", str(tmp_path))

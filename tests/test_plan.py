@@ -33,8 +33,8 @@ def test_printed_command_passes_config_validate(family, tiny_cache):
     is parsed with config's own parser, resolved and validated on its world size (the family's tiny pipeline stands
     in for the weights, as in test_presets), and its fields are the candidate's; the simulated workload is the
     command's (M updates per batch: main.py's own default is 2, the plan's 1) and the runtime's (TSP packs span
-    fragments; TAG claims whole groups, split by trajectories: simulate.py's "group-claims", or with
-    --tag-part-groups part of one, "part-groups", not the what-if "trajectories" of unaligned rollout claims)."""
+    fragments; TAG claims whole groups, split by trajectories: simulate.py's "group-claims", not the what-if
+    "trajectories" of unaligned rollout claims)."""
     p = _problem(family)
     plans, _ = plan.best(p, top=1)
     c = plans[0].candidate
@@ -51,8 +51,7 @@ def test_printed_command_passes_config_validate(family, tiny_cache):
     wl = p.workload(c)  # the simulated workload is the command's: T_train = int(T f) (flow_grpo)
     assert int(cfg.num_steps * cfg.timestep_fraction) == wl.train_steps
     assert cfg.updates_per_batch == wl.updates_per_batch == plan.paper_settings()["updates_per_batch"]
-    assert cfg.tag_part_groups == c.part_groups
-    assert (wl.tsp_span, wl.tag_split) == (cfg.tsp_span, "part-groups" if cfg.tag_part_groups else "group-claims")
+    assert (wl.tsp_span, wl.tag_split) == (cfg.tsp_span, "group-claims")
     assert cfg.resolution == s["flags"]["resolution"] and cfg.grad_ckpt == s["grad_ckpt"]
 
 

@@ -1,4 +1,4 @@
-"""Real-weight presets (presets.py): --pretrained runs at the family's native size with its published Flow-GRPO /
+"""Real-weight presets (flowgrpo/presets.py): --pretrained runs at the family's native size with its published Flow-GRPO /
 DanceGRPO settings, every main.py / torchrun command the docs print is valid, and --dry-run says which preset is in
 force without starting anything."""
 import glob
@@ -12,8 +12,8 @@ import pytest
 
 import config
 import models
-import presets
-from infra import cli
+from flowgrpo import presets
+import cli
 from conftest import ROOT
 
 pytestmark = pytest.mark.timeout(300)

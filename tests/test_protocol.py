@@ -3,7 +3,7 @@
 No process group and no model: a torch.distributed HashStore stands in for the job's TCPStore (the same
 atomic `add`), and plain callables stand in for the ranks. Each test names the bug it catches:
 - the staleness bound (TCSS): a fragment two versions old is refused, with TCSS on or off, by
-  tcss.check_staleness, by Trainer.accumulate and by train_fragment (catches a bound relaxed to 2);
+  async_policy.check_staleness, by Trainer.accumulate and by train_fragment (catches a bound relaxed to 2);
 - the stale budget j is per step and never exceeded; generate_ahead stops at the budget, when the new
   weights arrive and after the last step (catches a budget ignored, generating ahead past new weights);
 - FragmentQueue claims contiguous group ranges, the last one cut at the batch end (catches an off-by-one
@@ -23,6 +23,9 @@ atomic `add`), and plain callables stand in for the ranks. Each test names the b
 
 Run: python -m pytest -q tests/test_protocol.py
 """
+import datetime
+import random
+import threading
 import types
 from dataclasses import asdict
 
@@ -30,23 +33,24 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import tcss
+import async_policy
 import gap
+import grpo
 import tag
 import tsp
-from trainer import TrainConfig, Trainer, train_fragment
+from trainer import TrainConfig, Trainer, TrainerSide, nothing, train_fragment, trainer_loop
 
 pytestmark = pytest.mark.timeout(60)
 
 
 # --- TCSS: the staleness bound ------------------------------------------------------------------------
 def test_check_staleness_allows_0_or_1_with_tcss_and_only_0_without():
-    assert tcss.check_staleness(5, 5, tcss_on=False) == 0
-    assert tcss.check_staleness(5, 5, tcss_on=True) == 0
-    assert tcss.check_staleness(5, 4, tcss_on=True) == 1
+    assert async_policy.check_staleness(5, 5, tcss_on=False) == 0
+    assert async_policy.check_staleness(5, 5, tcss_on=True) == 0
+    assert async_policy.check_staleness(5, 4, tcss_on=True) == 1
     for trainer_version, fragment_version, tcss_on in [(5, 4, False), (5, 3, True), (5, 3, False), (4, 5, True)]:
         with pytest.raises(AssertionError, match="staleness"):
-            tcss.check_staleness(trainer_version, fragment_version, tcss_on)
+            async_policy.check_staleness(trainer_version, fragment_version, tcss_on)
 
 
 class OneWeightPolicy:
@@ -132,12 +136,12 @@ def test_a_non_finite_step_is_skipped_and_too_many_in_a_row_abort():
 
 # --- TCSS: the stale budget and generate-ahead ---------------------------------------------------------
 def test_the_stale_budget_is_j_per_step():
-    budget = tcss.StaleBudget(dist.HashStore(), max_stale=2)
+    budget = async_policy.StaleBudget(dist.HashStore(), max_stale=2)
     assert [budget.take(1) for _ in range(4)] == [True, True, False, False]
     assert [budget.take(2) for _ in range(3)] == [True, True, False]  # a new step has its own j
     budget.forget(1)
     assert budget.take(1)  # the key was deleted (the store must not grow per step)
-    none = tcss.StaleBudget(dist.HashStore(), max_stale=0)
+    none = async_policy.StaleBudget(dist.HashStore(), max_stale=0)
     assert not any(none.take(1) for _ in range(3))
 
 
@@ -154,20 +158,20 @@ def _ahead(step, last_step, versions, budget, unclaimed=10):
         left[0] -= 1
         return (10 - left[0] - 1, 1)
 
-    count = tcss.generate_ahead(step, last_step, latest_version, budget.take, claim,
+    count = async_policy.generate_ahead(step, last_step, latest_version, budget.take, claim,
                                         lambda s, c: made.append((s, c)))
     assert count == len(made)
     return made
 
 
 def test_generate_ahead_stops_at_the_budget_at_new_weights_and_after_the_last_step():
-    made = _ahead(3, 10, [3], tcss.StaleBudget(dist.HashStore(), 2))
+    made = _ahead(3, 10, [3], async_policy.StaleBudget(dist.HashStore(), 2))
     assert made == [(4, (0, 1)), (4, (1, 1))]  # batch step + 1, never more than j fragments
-    made = _ahead(3, 10, [3, 4], tcss.StaleBudget(dist.HashStore(), 5))
+    made = _ahead(3, 10, [3, 4], async_policy.StaleBudget(dist.HashStore(), 5))
     assert made == [(4, (0, 1))]  # version 4 arrived after one fragment: the rest is generated fresh
-    assert _ahead(3, 10, [4], tcss.StaleBudget(dist.HashStore(), 5)) == []
-    assert _ahead(10, 10, [10], tcss.StaleBudget(dist.HashStore(), 5)) == []  # no step 11
-    assert len(_ahead(3, 10, [3], tcss.StaleBudget(dist.HashStore(), 5), unclaimed=1)) == 1
+    assert _ahead(3, 10, [4], async_policy.StaleBudget(dist.HashStore(), 5)) == []
+    assert _ahead(10, 10, [10], async_policy.StaleBudget(dist.HashStore(), 5)) == []  # no step 11
+    assert len(_ahead(3, 10, [3], async_policy.StaleBudget(dist.HashStore(), 5), unclaimed=1)) == 1
 
 
 # --- GAP: claims, specs, fragments, consumption ---------------------------------------------------------
@@ -181,6 +185,48 @@ def test_claims_are_contiguous_group_ranges_cut_at_the_batch_end():
     assert queue.poll(1, 0) == gap.Announcement(4, 0, 2, 10) and queue.poll(1, 1) is None
     queue.forget(1)
     assert queue.claim(1, 2) == (0, 2)  # forgotten: the step starts from scratch
+    queue = gap.FragmentQueue(dist.HashStore(), groups_per_step=4, group_size=3)  # the counter counts trajectories
+    assert queue.claim(0, 1) == (0, 1) and queue.claim_samples(0, 6) == (1, 2) and queue.num_claimed_samples(0) == 9
+    with pytest.raises(ValueError, match="not whole groups of 3"):
+        queue.claim_samples(0, 4)  # TAG claims whole groups only
+    assert queue.claim(0, 2) == (3, 1) and queue.claim(0, 1) is None and queue.claim_samples(0, 3) is None
+
+
+def test_claims_racing_on_a_real_tcpstore_never_overlap_and_cover_the_batch():
+    """Six claimers (five rollout ranks, one TAG leader) on their own TCPStore clients race for 20 steps: every
+    trajectory is claimed exactly once, in whole groups. Catches claims that read the counter and write it back
+    non-atomically (an add after a get, a compare-and-set whose value two claimers can both write).
+    (Moved from tests/test_part_claims.py when claims of part of a group were removed.)"""
+    server = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=30))
+    groups, g, steps = 40, 3, 20
+    taken, errors = [], []
+
+    def claimer(kind: int) -> None:
+        store = dist.TCPStore("127.0.0.1", server.port, 1, False, timeout=datetime.timedelta(seconds=30))
+        queue = gap.FragmentQueue(dist.PrefixStore("queue", store), groups, group_size=g)
+        rng = random.Random(kind)
+        try:
+            for step in range(steps):
+                while True:
+                    claim = queue.claim_samples(step, g * rng.randint(1, 3)) if kind == 0 else queue.claim(step, 2)
+                    if claim is None:
+                        break
+                    if kind and claim.num_groups > 2:
+                        errors.append(f"rollout claim {claim} holds more than its fragment")
+                    taken.append((step, claim.first_group * g, (claim.first_group + claim.num_groups) * g))
+        except Exception as error:  # noqa: BLE001  (reported to the main thread)
+            errors.append(repr(error))
+
+    threads = [threading.Thread(target=claimer, args=(k,), daemon=True) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)  # about 0.2 s here; a claim that never succeeds spins (daemon: the test ends)
+    assert not any(t.is_alive() for t in threads), "a claimer is stuck (a claim that can never succeed)"
+    assert not errors, errors
+    for step in range(steps):
+        covered = sorted(t for s, lo, hi in taken if s == step for t in range(lo, hi))
+        assert covered == list(range(groups * g)), f"step {step}: trajectories claimed twice or never"
 
 
 def test_any_cut_of_the_batch_gives_the_same_trajectories():
@@ -230,10 +276,10 @@ def test_gap_trains_each_fragment_as_it_arrives_and_the_barrier_after_all():
             for i in range(2):
                 events.append(f"recv {i}")
                 yield _numbered_fragment(i, 1)
-        side = gap.TrainerSide(fragments_of=arrivals, train=lambda f: events.append(f"train {f.first_group}"),
+        side = TrainerSide(fragments_of=arrivals, train=lambda f: events.append(f"train {f.first_group}"),
                                optimizer_step=lambda step: events.append("step") or {}, version=lambda: 0,
-                               publish=gap.nothing, end_step=gap.nothing, bounds=[(0, 2)])
-        gap.trainer_loop(side, range(1), streaming)
+                               publish=nothing, end_step=nothing, bounds=[(0, 2)])
+        trainer_loop(side, range(1), streaming)
         assert events == want
 
 
@@ -321,17 +367,34 @@ def test_assisted_generation_generates_each_claimed_trajectory_once_at_its_globa
 
 
 # --- TAG's leader on scripted times -------------------------------------------------------------------
+def test_a_joined_tag_claim_gets_its_group_advantages_and_a_rollout_fragment_passes_as_it_is():
+    """tag.with_advantages on the trainers: catches a TAG claim trained without advantages (NaN in the loss) and a
+    rollout fragment's advantages recomputed (or replaced). (The whole-fragment half of tests/test_part_claims.py's
+    test_whole_fragments_pass_as_they_are_and_a_group_of_two_versions_is_refused, kept.)"""
+    rollout_fragment = _numbered_fragment(0, 2, 3)
+    joined = _numbered_fragment(2, 1, 3)
+    joined.advantages = joined.advantages * float("nan")  # generated in shares: no advantages yet
+
+    def complete(fragment):
+        r = fragment.rewards.reshape(-1, 3)  # groups of 3
+        fragment.advantages = (r - r.mean(1, keepdim=True)).reshape(-1)
+        return fragment
+
+    out = list(tag.with_advantages([rollout_fragment, joined], complete))
+    assert out[0] is rollout_fragment and out[1].advantages.tolist() == [-1.0, 0.0, 1.0]
+
+
 def test_the_assistant_hands_the_predictor_the_queues_counts_and_scripted_times(monkeypatch):
     counts = {"claimed": 0, "announced": 0}
     claims = []
 
-    G = 3  # the queue counts trajectories; the predictor decides in groups (or, part_groups, trajectories)
+    G = 3  # the queue counts trajectories; the predictor decides in groups
 
     def claim(step, n):
         first = counts["claimed"]
         counts["claimed"] += n
         claims.append((step, first, n))
-        return gap.claim_of(first, first + n, G)
+        return gap.Claim(first // G, n // G)
 
     rollout_gen = {"s": None}
     assistant = tag.Assistant(groups_per_step=8, fragment_groups=2, rollout_ranks=1, trainers=2, quantum=2,
@@ -362,15 +425,7 @@ def test_the_assistant_hands_the_predictor_the_queues_counts_and_scripted_times(
     assert asdict(seen[-1]) == pytest.approx(asdict(tag.StepState(
         unclaimed=2, in_flight=0, waiting=2, rollout_ranks=1, gen_rollout_s=1.0, gen_trainer_s=0.6, train_s=0.02,
         fragment_groups=2, trainers=2, quantum=2, group_size=G)))
-    # with part claims, inside a step the predictor counts trajectories: the same state, per trajectory
-    assistant.part_groups = True
-    counts.update(claimed=6 * G + 1)  # TAG's part claim took the first member of group 6
-    assistant.consider(3, 4 * G)
-    assert asdict(seen[-1]) == pytest.approx(asdict(tag.StepState(
-        unclaimed=2 * G - 1, in_flight=0, waiting=2 * G, rollout_ranks=1, gen_rollout_s=1.0,
-        gen_trainer_s=0.6 / G, train_s=0.02 / G, fragment_groups=2 * G, trainers=2, quantum=2, group_size=0)))
-    assert claims[-1] == (3, 6 * G + 1, 2) and assistant.pending[3][-1] == (6 * G + 1, 6 * G + 3)
-    # at a step boundary never part of a group (a rollout rank may still generate ahead with the old version)
+    # at a step boundary as inside: whole groups
     assistant.consider(4, 0, before_publish=True)
     assert seen[-1].group_size == G and claims[-1][2] == 2 * G
 
@@ -403,14 +458,14 @@ def test_loopback_data_plane_warning():
 
 # --- several updates per batch: fixed minibatch boundaries whatever the arrival order -----------------------
 def test_minibatch_bounds_are_contiguous_whole_groups():
-    assert gap.minibatch_bounds(4, 2) == [(0, 2), (2, 4)]
-    assert gap.minibatch_bounds(3, 2) == [(0, 1), (1, 3)]  # sizes within one group: the demo's B = 3
-    assert gap.minibatch_bounds(5, 1) == [(0, 5)]
+    assert grpo.minibatch_bounds(4, 2) == [(0, 2), (2, 4)]
+    assert grpo.minibatch_bounds(3, 2) == [(0, 1), (1, 3)]  # sizes within one group: the demo's B = 3
+    assert grpo.minibatch_bounds(5, 1) == [(0, 5)]
     for bad in (0, 6):
         with pytest.raises(ValueError, match="--updates-per-batch"):
-            gap.minibatch_bounds(5, bad)
+            grpo.minibatch_bounds(5, bad)
     part = _numbered_fragment(0, 4)
-    assert gap.minibatch_pairs(gap.minibatch_bounds(3, 2), 2, 5, gap.groups_of(part, 1, 3)) == 2 * 2 * 5
+    assert grpo.minibatch_pairs(grpo.minibatch_bounds(3, 2), 2, 5, grpo.groups_of(part, 1, 3)) == 2 * 2 * 5
 
 
 def test_minibatches_hold_later_parts_until_the_update_and_split_a_straddling_fragment():
@@ -423,13 +478,13 @@ def test_minibatches_hold_later_parts_until_the_update_and_split_a_straddling_fr
     arrivals = [_numbered_fragment(3, 1),  # minibatch 1 first: held
                 gap.Announcement(producer=0, first_group=0, num_groups=1, destination=1),  # another trainer's
                 _numbered_fragment(1, 2)]  # straddles: groups 1 (minibatch 0) and 2 (minibatch 1)
-    gap.train_in_minibatches(arrivals, [(0, 2), (2, 4)], train, lambda j: events.append(f"update {j}"))
+    grpo.train_in_minibatches(arrivals, [(0, 2), (2, 4)], train, lambda j: events.append(f"update {j}"))
     assert events == ["train 1-2", "update 0", "train 3-4", "train 2-3"]
     with pytest.raises(AssertionError, match="missing"):  # a step must not end with a minibatch untrained
-        gap.train_in_minibatches([_numbered_fragment(0, 1)], [(0, 1), (1, 2)], train, gap.nothing)
+        grpo.train_in_minibatches([_numbered_fragment(0, 1)], [(0, 1), (1, 2)], train, nothing)
     with pytest.raises(AssertionError, match="after its update"):
-        gap.train_in_minibatches([_numbered_fragment(0, 1), _numbered_fragment(0, 1)], [(0, 1), (1, 2)], train,
-                                 gap.nothing)
+        grpo.train_in_minibatches([_numbered_fragment(0, 1), _numbered_fragment(0, 1)], [(0, 1), (1, 2)], train,
+                                 nothing)
 
 
 @pytest.mark.parametrize("old_log_prob", ["fresh", "rollout"])

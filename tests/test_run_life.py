@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import main
-from infra import cli
+import cli
 from conftest import ROOT, checkpoint_weights, rank_pids, read_metrics, run_main
 from infra.preemption import EXIT_PREEMPTED
 from infra.runlock import LOCK_NAME, RunLock

@@ -14,7 +14,7 @@ import config
 import gap
 import grpo
 import models
-import presets
+from flowgrpo import presets
 import rewards
 from models import lora
 from rollout import SamplingConfig, generate_fragment

@@ -337,7 +337,7 @@ def test_tag_may_claim_part_of_a_group_by_hand():
 
 def test_the_disaggregated_floor_is_never_beaten_and_is_reached_by_hand():
     """sim_model.disaggregated_floor_s is what tools/paper_scale.py uses to say where no DigenRL configuration can
-    beat a baseline, so it must be a true floor: no simulated TSP schedule (any TAG split, part claims included)
+    beat a baseline, so it must be a true floor: no simulated TSP schedule (any TAG split, the unaligned what-if included)
     is faster. Catches a floor that forgets the padding per update, prices generation above its cheapest batch,
     or splits it unevenly. By hand: 1 rollout + 1 trainer, 2 groups of 2, T = 4 at 0.01 s per sample-step, 2
     pairs per trajectory at 0.02 s (pack 1): training is 8 pairs = 0.16 s plus 0.01 s optimizer; the trainer
@@ -353,7 +353,7 @@ def test_the_disaggregated_floor_is_never_beaten_and_is_reached_by_hand():
         cluster = sim.Cluster(nproc, rng.randint(1, nproc - 1), "a", "b", {"a": rng.choice([0.5, 1.0]), "b": 1.0})
         wl = sim.Workload(groups=rng.choice([2, 3, 4, 6]), group_size=rng.choice([2, 3, 4]), num_steps=rng.randint(2, 6),
                           train_steps=1, fragment_groups=1, max_stale=rng.randint(0, 3), tsp_pack=rng.choice([1, 2, 4]),
-                          steps=7, tag_split=rng.choice(["group-claims", "part-groups", "trajectories"]),
+                          steps=7, tag_split=rng.choice(["group-claims", "trajectories"]),
                           tsp_span=rng.random() < 0.7, updates_per_batch=rng.choice([1, 2]))
         wl.train_steps = rng.randint(1, wl.num_steps)
         costs = sim.Costs(forward_s={1: rng.uniform(0.002, 0.02), 8: rng.uniform(0.002, 0.02)},
@@ -368,16 +368,15 @@ def test_the_disaggregated_floor_is_never_beaten_and_is_reached_by_hand():
     assert closest > 0.9  # some schedules come close: the floor is not loose everywhere
 
 
-def test_part_claims_are_never_made_at_a_step_boundary():
-    """simulate.py's "part-groups" (the runtime's --tag-part-groups) claims part of a group only inside a step: at
-    a step boundary a rollout rank may still generate ahead with the old weights (TCSS), and a group's members
-    share one version. One rollout rank and three fast trainers: every TAG claim here is made at the boundary,
-    so part-groups runs exactly the whole-group schedule (3 groups a step), while the unaligned what-if
-    ("trajectories", part claims anywhere) claims fractions of groups. Catches part claims at a boundary."""
+def test_group_claims_are_whole_groups_and_the_unaligned_what_if_is_not():
+    """The runtime's TAG ("group-claims") claims whole groups: one rollout rank and three fast trainers, every TAG
+    claim here is made at the step boundary, 3 whole groups a step, while the unaligned what-if ("trajectories",
+    claims anywhere) claims fractions of groups. Catches group-claims that claim trajectories. (What is left of
+    test_part_claims_are_never_made_at_a_step_boundary: simulate.py's "part-groups", the runtime's
+    --tag-part-groups, was removed.)"""
     costs = _costs(f=0.04, b=0.002, publish=0.0)
     wl = sim.Workload(groups=4, group_size=4, num_steps=5, train_steps=2, tsp_pack=1, steps=8, tsp_span=True)
     runs = {split: sim.simulate("digenrl", costs, sim.Cluster(4, 1), sim.Workload(**{**wl.__dict__, "tag_split": split}))
-            for split in ("group-claims", "part-groups", "trajectories")}
-    assert runs["part-groups"].tag_groups == runs["group-claims"].tag_groups == 3.0
-    assert runs["part-groups"].step_s == pytest.approx(runs["group-claims"].step_s)
+            for split in ("group-claims", "trajectories")}
+    assert runs["group-claims"].tag_groups == 3.0
     assert runs["trajectories"].tag_groups % 1 != 0

@@ -1,10 +1,10 @@
-"""tcss.generate_ahead and StaleBudget: TCSS's rule on a rollout rank, with stand-ins for the
+"""async_policy.generate_ahead and StaleBudget: TCSS's rule on a rollout rank, with stand-ins for the
 store, the mailbox and the fragment queue (no processes; tests/test_placements.py runs it for real).
 
 Also the grader of docs/COURSE.md assignment 3 (re-implement generate_ahead)."""
 import pytest
 
-import tcss
+import async_policy
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,7 +41,7 @@ def _rank(step=3, last_step=10, version=3, budget=2, groups=4, arrives_after=Non
     """One rollout rank's call; returns (count returned, fragments produced, budget calls)."""
     produced, budget_calls = [], []
     state = {"version": version}
-    stale = tcss.StaleBudget(Store(), budget)
+    stale = async_policy.StaleBudget(Store(), budget)
 
     def take(step):
         budget_calls.append(step)
@@ -52,7 +52,7 @@ def _rank(step=3, last_step=10, version=3, budget=2, groups=4, arrives_after=Non
         if arrives_after is not None and len(produced) >= arrives_after:
             state["version"] = step  # the new weights arrive while this fragment is generated
     queue = Queue(groups)
-    made = tcss.generate_ahead(step, last_step, lambda: state["version"], take, queue.claim, produce)
+    made = async_policy.generate_ahead(step, last_step, lambda: state["version"], take, queue.claim, produce)
     return made, produced, budget_calls
 
 
@@ -86,7 +86,7 @@ def test_no_claim_without_budget():
     def claim(step):
         claims.append(step)
         return 0, 1
-    made = tcss.generate_ahead(3, 10, lambda: 3, lambda step: False, claim,
+    made = async_policy.generate_ahead(3, 10, lambda: 3, lambda step: False, claim,
                                        lambda step, c: produced.append(c))
     assert made == 0 and claims == [] and produced == []
 
@@ -98,11 +98,11 @@ def test_stops_when_the_next_batch_is_claimed_by_others():
 
 def test_the_budget_is_global_over_ranks_and_per_step():
     store = Store()
-    budget = tcss.StaleBudget(store, 3)
+    budget = async_policy.StaleBudget(store, 3)
     queue = Queue(groups_per_step=8)
-    counts = [tcss.generate_ahead(3, 10, lambda: 3, budget.take, queue.claim, lambda s, c: None)
+    counts = [async_policy.generate_ahead(3, 10, lambda: 3, budget.take, queue.claim, lambda s, c: None)
               for _ in range(2)]  # two rollout ranks, one after the other
     assert sum(counts) == 3 and counts == [3, 0]
-    assert budget.take(5) and not tcss.StaleBudget(store, 0).take(6)  # j = 0: never stale
+    assert budget.take(5) and not async_policy.StaleBudget(store, 0).take(6)  # j = 0: never stale
     budget.forget(4)
     assert "stale/4" not in store.values

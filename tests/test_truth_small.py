@@ -2,7 +2,7 @@
 
 - atomic_write: a write that raises midway leaves the old file intact and no temporary behind
   (catches writing in place);
-- trainer.summarize: every formula against sums computed by hand (catches e.g. a wrong reward_std);
+- infra/step_metrics.summarize: every formula against sums computed by hand (catches e.g. a wrong reward_std);
   Trainer.count_fragment's sums on two fragments with hand-computed rewards (catches a wrong zero-std test);
 - list_checkpoints never offers a half-written (.partial) checkpoint to --resume; check_resume refuses a
   checkpoint of another model/LoRA config (even when config.json was changed); truncate_metrics drops the
@@ -23,7 +23,8 @@ import gap
 from infra import rundir
 from infra.rundir import atomic_write, list_checkpoints
 from rollout import SamplingConfig, evaluate, generate_fragment
-from trainer import MetricSums, TrainConfig, Trainer, summarize
+from infra.step_metrics import MetricSums, summarize
+from trainer import TrainConfig, Trainer
 import tsp
 
 pytestmark = pytest.mark.timeout(60)

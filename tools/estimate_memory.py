@@ -494,14 +494,14 @@ def main(argv=None) -> int:
     p.add_argument("--lora-targets", default="flow_grpo", help="as main.py --lora-targets")
     p.add_argument("--bf16-adapters", action="store_true", help="LoRA adapters in bf16 (digenrl trains fp32 ones): "
                    "to compare with tools/profiles/h200_flux1dev_12b.json, measured with bf16 adapters")
-    p.add_argument("--resolution", type=int, default=0, help="0 = the family's native size (presets.py)")
+    p.add_argument("--resolution", type=int, default=0, help="0 = the family's native size (flowgrpo/presets.py)")
     p.add_argument("--width", type=int, default=0)
-    p.add_argument("--frames", type=int, default=0, help="0 = the published setting (presets.py)")
-    p.add_argument("--group-size", type=int, default=0, help="0 = the published setting (presets.py)")
+    p.add_argument("--frames", type=int, default=0, help="0 = the published setting (flowgrpo/presets.py)")
+    p.add_argument("--group-size", type=int, default=0, help="0 = the published setting (flowgrpo/presets.py)")
     p.add_argument("--fragment-groups", type=int, default=1)
     p.add_argument("--sample-batch-size", type=int, default=0,
                    help="trajectories per rollout forward and decode (main.py's); 0 = the published setting "
-                        "(presets.py), at most the fragment")
+                        "(flowgrpo/presets.py), at most the fragment")
     p.add_argument("--decode", action=argparse.BooleanOptionalAction, default=True,
                    help="count the VAE decode of a forward batch on the rollout rank")
     p.add_argument("--tsp-pack", type=int, default=4)
@@ -588,8 +588,8 @@ def _measure_main(args) -> int:
 
 
 def resolve_sizes(run) -> None:
-    """Unset sizes take the family's native resolution and published frames / group size (presets.py)."""
-    import presets
+    """Unset sizes take the family's native resolution and published frames / group size (flowgrpo/presets.py)."""
+    from flowgrpo import presets
 
     values = presets.for_run(run.model, True, "flow_grpo").values
     if not run.resolution and not run.width:

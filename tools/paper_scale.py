@@ -7,9 +7,9 @@ from the H200 per-operation costs measured in profiles/ and the paper's settings
 Each case runs every mode through simulate.py's event model with the best R/K split and the runtime's
 default knobs ("digenrl before": fragments of one group, the model's pack, j = R, without issue 25's
 changes), plus DigenRL with the smallest stale budget (j=1). The "digenrl" row is tools/plan.py's best
-configuration (R, fragment size, pack, TAG and whether it may claim part of a group, j; memory-checked) with
-the runtime since issue 25 (TSP packs that span the fragments of a minibatch; TAG claims whole groups, or with
---tag-part-groups part of one, and splits their trajectories over the K trainers) and the command it prints;
+configuration (R, fragment size, pack, TAG, j; memory-checked) with
+the runtime since issue 25 (TSP packs that span the fragments of a minibatch; TAG claims whole groups and
+splits their trajectories over the K trainers) and the command it prints;
 "digenrl planned, today" is the planner's best without issue 25's changes, so the summary separates what the
 knobs buy from what the runtime changes buy. The "floor" is sim_model.disaggregated_floor_s at the best R: no
 disaggregated schedule of this cost model can beat it (padding per update, per-step costs, generation split
@@ -116,8 +116,7 @@ def print_summary(cases: list[dict]) -> None:
     print("\n## Summary: DigenRL step-time ratio (higher = DigenRL faster). before: the runtime's defaults "
           "without issue 25; planned: tools/plan.py's best configuration, the runtime before issue 25; after: "
           "planned, the runtime since issue 25 (TSP packs spanning fragments, TAG claims whole groups split over "
-          "the trainers by trajectories, part of a group where the planner picks --tag-part-groups: the printed "
-          "command); floor: the best any disaggregated schedule of the model can do (disaggregated_floor_s)")
+          "the trainers by trajectories: the printed command); floor: the best any disaggregated schedule of the model can do (disaggregated_floor_s)")
     print(f"  {'model':<34}{'GPUs':<44}{'vs ideal: before':>17}{'planned':>9}{'after':>7}{'floor':>9}"
           f"{'vs real: before':>16}{'after':>7}{'floor':>7}{'paper':>11}")
     for case in cases:

@@ -7,7 +7,7 @@
     python tools/plan.py --model flux --gpus 16 --updates-per-batch 2 # Flow-GRPO's two updates per batch
 
 It searches R (rollout ranks; K = P - R trainers), the fragment size (--fragment-groups), --tsp-pack, TAG on or
-off (and, at M = 1, whether it may claim part of a group: --tag-part-groups) and TCSS's budget j (--max-stale-fragments 0, 1 or R) with tools/simulate.py's event model on the H200
+off and TCSS's budget j (--max-stale-fragments 0, 1 or R) with tools/simulate.py's event model on the H200
 per-op profiles (tools/profiles/, at paper_settings.json's workload: the model's T, T_train, G, B = 32,
 resolution and M updates per batch), drops what the real-size memory estimate says does not fit
 (tools/plan_memory.py: both roles' peaks, cached from tools/estimate_memory.py) and what config.validate
@@ -54,7 +54,6 @@ class Candidate:
     tsp_pack: int
     tag: bool
     max_stale: int  # j: fragments per step generated one version stale (TCSS)
-    part_groups: bool = False  # --tag-part-groups: TAG may claim part of a group (simulate.py's "part-groups")
 
 
 @dataclasses.dataclass
@@ -92,8 +91,6 @@ class Problem:
     def workload(self, c: Candidate):
         wl = paper_workload(self.label, max_stale=c.max_stale, updates_per_batch=self.updates)
         runtime = {**RUNTIMES, **WHAT_IFS}[self.runtime]
-        if c.part_groups:
-            runtime = {**runtime, "tag_split": "part-groups"}
         return dataclasses.replace(wl, fragment_groups=c.fragment_groups, tsp_pack=c.tsp_pack,
                                    fsdp=not self.lora, **runtime)
 
@@ -109,8 +106,6 @@ def admissible(p: Problem, c: Candidate, memory_cache: dict | None) -> tuple[boo
         return False, None, "fragment size does not divide the batch"
     if not p.lora and c.tag and c.fragment_groups < trainers:
         return False, None, "--fsdp with --tag needs --fragment-groups >= K"
-    if c.part_groups and not (c.tag and p.updates == 1 and p.runtime == "issue25"):
-        return False, None, "--tag-part-groups needs --tag and M = 1 (the runtime since issue 25)"
     if p.family is None:
         return True, None, ""
     peaks = plan_memory.peaks(p.family, p.lora, c.fragment_groups, c.tsp_pack, trainers, memory_cache)
@@ -153,15 +148,14 @@ def search(p: Problem, memory_cache: dict | None = None) -> tuple[list[Plan], di
             for k in PACKS:
                 for tag in (True, False):
                     for j in sorted({0, 1, r}):
-                        for part in (False, True) if tag and p.updates == 1 and p.runtime == "issue25" else (False,):
-                            evaluate(p, Candidate(r, f, k, tag, j, part), memory_cache, seen)
+                        evaluate(p, Candidate(r, f, k, tag, j), memory_cache, seen)
     rejected: dict = {}
     for c, plan in seen.items():
         if plan is None:
             reason = admissible(p, c, memory_cache)[2]
             rejected[reason] = rejected.get(reason, 0) + 1
-    plans = sorted((x for x in seen.values() if x),  # ties: fewer rollout ranks, whole-group claims
-                   key=lambda x: (x.report.step_s, x.candidate.rollout_ranks, x.candidate.part_groups))
+    plans = sorted((x for x in seen.values() if x),  # ties: fewer rollout ranks
+                   key=lambda x: (x.report.step_s, x.candidate.rollout_ranks))
     return plans, rejected
 
 
@@ -177,7 +171,7 @@ def main_args(p: Problem, c: Candidate, pretrained: str | None = "") -> list[str
         args += [f"--{name}", str(value)]
     args += ["--fragment-groups", str(c.fragment_groups), "--tsp-pack", str(c.tsp_pack),
              "--max-stale-fragments", str(c.max_stale), "--updates-per-batch", str(p.updates)]
-    return args + ([] if c.tag else ["--no-tag"]) + (["--tag-part-groups"] if c.part_groups else []) + (
+    return args + ([] if c.tag else ["--no-tag"]) + (
         ["--grad-ckpt"] if s["grad_ckpt"] else [])
 
 
@@ -226,7 +220,7 @@ def ideal_colocated_s(p: Problem) -> float | None:
 def describe(plan: Plan, gpus: int) -> str:
     c, mem = plan.candidate, plan.memory
     memory = f"rollout {mem['rollout_gib']:5.1f} trainer {mem['trainer_gib']:5.1f} GiB" if mem else "no estimate"
-    tag = "off" if not c.tag else "part" if c.part_groups else "on "
+    tag = "on " if c.tag else "off"
     return (f"R={c.rollout_ranks:<2} K={gpus - c.rollout_ranks:<2} fragment {c.fragment_groups} pack {c.tsp_pack} "
             f"tag {tag} j={c.max_stale:<2} step {plan.report.step_s:7.2f} s  eff {plan.report.efficiency:.2f}  "
             f"tag groups/step {plan.report.tag_groups:4.1f}  {memory}")

@@ -63,19 +63,18 @@ class Workload:
     tsp_pack: int = 4
     fsdp: bool = False  # TAG claims multiples of K groups (every FSDP rank runs the same forwards)
     # Issue 25's two runtime changes, as options of the one cost model (defaults = today's runtime):
-    tag_split: str = "groups"  # "part-groups": TAG may claim part of a group inside a step, a rollout
-    #   rank the rest (--tag-part-groups); "trajectories": the same with unaligned rollout claims (a
-    #   what-if); "groups": whole groups, split by groups; "group-claims": whole groups split by
-    #   trajectories (the runtime's TAG, issue 25)
+    tag_split: str = "groups"  # "trajectories": TAG claims of any trajectories, unaligned rollout
+    #   claims (a what-if); "groups": whole groups, split by groups; "group-claims": whole groups split
+    #   by trajectories (the runtime's TAG, issue 25)
     tsp_span: bool = False  # TSP packs span the fragments of a step: padding once per step, not per fragment
     updates_per_batch: int = 1  # M (--updates-per-batch): an optimizer step after each of M group-range
-    #   minibatches (gap.minibatch_bounds); spanning packs are padded once per update
+    #   minibatches (grpo.minibatch_bounds); spanning packs are padded once per update
     steps: int = 10  # simulated RL steps: the `warmup` first and the last one are not measured
     warmup: int = 2
 
     @property
     def bounds(self) -> list[tuple[int, int]]:
-        """The M minibatches' group ranges, as gap.minibatch_bounds cuts them."""
+        """The M minibatches' group ranges, as grpo.minibatch_bounds cuts them."""
         cuts = [j * self.groups // self.updates_per_batch for j in range(self.updates_per_batch + 1)]
         return list(zip(cuts[:-1], cuts[1:]))
 

@@ -22,11 +22,10 @@ Issue 25's two runtime changes are Workload options of this one model (defaults:
   tag_split   "group-claims": whole groups, split over the K trainers by trajectories (the runtime's TAG
               since issue 25: tag.Assistant with group_size G; tools/plan.py and bench.py simulate it);
               "groups": whole groups, split by groups (a trainer without a share idles: the runtime before
-              issue 25); "part-groups": the runtime with --tag-part-groups: inside a step the predictor
-              runs in units of trajectories, so the leader may claim part of a group, and a rollout
-              rank's claim ends on a group boundary (the rest of a split group, then whole groups, at
-              most m trajectories); at a step boundary it claims whole groups; "trajectories": a what-if
-              of the same with rollout claims of m trajectories from anywhere (no runtime does that).
+              issue 25); "trajectories": a what-if of TAG claims of any number of trajectories with
+              rollout claims of m trajectories from anywhere (no runtime does that; the runtime's
+              claims of part of a group, issue 25's --tag-part-groups, measured 0.1% at best and were
+              removed: docs/RESULTS.md section 3b).
 Colocated: every rank generates its static share of fragments, then trains it; "colocated-real"
 also pays `costs.switch_s` per step (offload/reload and weight sync, see paper_scale.py).
 Several steps are simulated; the report is the steady-state mean (warm-up and last step excluded).
@@ -145,7 +144,7 @@ def _disaggregated(sim, mode, costs, cluster, wl):
     _, gap_on, tsp_on, tag_on, tcss_on = mechanisms(mode)
     P, R, B, G, S = cluster.nproc, cluster.rollout_ranks, wl.groups, wl.group_size, wl.steps
     N, m = B * G, wl.m  # trajectories per step, per fragment
-    unit = 1 if wl.tag_split in ("trajectories", "part-groups") else G  # TAG's claim unit, in trajectories
+    unit = 1 if wl.tag_split == "trajectories" else G  # TAG's claim unit, in trajectories
     trainers = list(range(R, P))
     K, leader = len(trainers), trainers[0]
     t_speed = cluster.speed(leader)
@@ -163,12 +162,8 @@ def _disaggregated(sim, mode, costs, cluster, wl):
         return lo, claimed[step]
 
     def rollout_claim(step):
-        """A rollout rank's claim: m trajectories; under "part-groups" it ends on a group boundary (the rest of a
-        group TAG split, then whole groups: at most m)."""
-        if wl.tag_split != "part-groups":
-            return claim(step, m)
-        lo = claimed[step]
-        return claim(step, lo // G * G + m - lo)
+        """A rollout rank's claim: m trajectories."""
+        return claim(step, m)
 
     def transfer_s(trajectories):
         return costs.transfer_s * trajectories / m
@@ -208,9 +203,9 @@ def _disaggregated(sim, mode, costs, cluster, wl):
     decisions = {}
 
     def tag_wants(step, next_seq, boundary=False):
-        """tag.assist_groups' claim, in trajectories (part claims only inside a step, as tag.Assistant)."""
+        """tag.assist_groups' claim, in trajectories."""
         key = (step, claimed[step], len(announced[step]), next_seq, boundary)
-        u = G if boundary and wl.tag_split == "part-groups" else unit
+        u = unit
         if key not in decisions:
             arrived = sum(hi - lo for lo, hi, _ in announced[step])
             decisions[key] = u * tag.assist_groups(tag.StepState(
@@ -242,7 +237,7 @@ def _disaggregated(sim, mode, costs, cluster, wl):
             return [tag.split_groups(hi - lo, K, r) for r in range(K)]
         return [(a * G, b * G) for a, b in (tag.split_groups((hi - lo) // G, K, r) for r in range(K))]
 
-    bounds = wl.bounds  # M minibatches: an update after each (gap.train_in_minibatches)
+    bounds = wl.bounds  # M minibatches: an update after each (grpo.train_in_minibatches)
 
     def minibatch_of(group):
         return next(j for j, (lo, hi) in enumerate(bounds) if lo <= group < hi)

@@ -21,14 +21,14 @@ import os
 import time
 
 import tag
-import tcss
+import async_policy
 import wiring
 
 GEN_ROLLOUT_S, GEN_TRAINER_S, TRAIN_S, PUBLISH_S = 0.5, 0.1, 0.01, 0.05
 NO_AHEAD = {int(s) for s in os.environ.get("DIGENRL_SCRIPTED_NO_AHEAD", "").split(",") if s.strip()}
 _tcss = {"on": False}  # whether the leader's run has TCSS on (read where main.py builds TAG's Assistant)
 
-_budget_take = tcss.StaleBudget.take
+_budget_take = async_policy.StaleBudget.take
 _consider = tag.Assistant.consider
 _assistant = wiring.assistant
 
@@ -56,6 +56,6 @@ def _scripted_consider(self, step, groups_done, before_publish=False):
     return _consider(self, step, groups_done, before_publish)
 
 
-tcss.StaleBudget.take = _take
+async_policy.StaleBudget.take = _take
 wiring.assistant = _scripted_assistant
 tag.Assistant.consider = _scripted_consider

@@ -1,7 +1,7 @@
 """Running main.run_rank for the rehearsed ranks, each a thread of this process.
 
 What a rank runs is the program's own code: main.run_rank, its rollout_rank / trainer_rank, the
-mechanisms' loops, bookkeeping's evaluation, checkpoint, resume, tcss.Publisher's publish and
+mechanisms' loops, bookkeeping's evaluation, checkpoint, resume, async_policy.Publisher's publish and
 transport's bytes. What the rehearsal puts in its place, each at the seam where a real run meets
 hardware or the outside:
 - runtime.device_of: the stand-in GPU "gpu:N" (fake_gpu.py), bf16 as on CUDA;

@@ -24,8 +24,8 @@ import torch
 
 
 def decay_at(global_step: int, decay: float) -> float:
-    """d_g: Flow-GRPO's warm-up (ema.py get_current_decay), so the first updates are not averaged
-    with the initial weights at `decay`."""
+    """d_g: Flow-GRPO's warm-up (its ema.py get_current_decay), so the first updates are not
+    averaged with the initial weights at `decay`."""
     return min((1 + global_step) / (10 + global_step), decay)
 
 

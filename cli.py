@@ -9,7 +9,7 @@ import sys
 import comm
 import config
 import models
-import presets
+from flowgrpo import presets
 from infra import lifeline, rundir
 from infra.launch import main_module, start_method_for
 from infra.node_fetch import NodeFetch

@@ -22,7 +22,7 @@ store, `StaleBudget`) rather than per rank (the default j = R gives each rollout
 average); stale fragments are trained with the PPO ratio against the recorded behaviour log-probs,
 on-policy ones with the detached current log-prob (ratio exactly 1).
 
-Try it: `python3 tcss.py` (alone: a fragment generated ahead, its PPO ratio); in a run,
+Try it: `python3 async_policy.py` (alone: a fragment generated ahead, its PPO ratio); in a run,
 `python main.py --placement disaggregated --gap --tsp --tcss --max-stale-fragments 1`.
 Only torch and the standard library are imported: this file can be copied into another codebase.
 """
@@ -286,7 +286,7 @@ class Publisher:
                 self.send([], 0, STOP)
 
 
-# --- python3 tcss.py: the mechanism alone, on fake ranks ------------------------------------------
+# --- python3 async_policy.py: the mechanism alone, on fake ranks ----------------------------------
 def _demo() -> None:
     import queue as queue_lib
 

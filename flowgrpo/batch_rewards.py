@@ -13,7 +13,7 @@ posts each group's (prompt id, rewards) under `{step}/{group}` when it scores it
 its fragments' advantages from grpo.advantages over the whole batch once every group of the step is
 posted. Store only (CPU, the data plane), no collective.
 
-Deadlocks: restate runs after the step's fragment iterator is exhausted (gap.trainer_loop,
+Deadlocks: restate runs after the step's fragment iterator is exhausted (trainer.trainer_loop,
 colocated.loop), and by then every group of the step has been produced. Rollout ranks generate a
 step's groups without waiting for that step's training; under TSP's lockstep with TAG the trainers
 generate their groups inside the iterator itself, so exhausting it means all groups are in;
