@@ -35,7 +35,7 @@ def test_the_parts_fit_the_device_time_and_everything_is_logged():
     text = open(SCRIPT).read()
     assert 'exec > >(tee -a "$OUT/log")' in text
     parts = {line.split()[0] for line in lines[:-1]}
-    assert {"a-run", "a-contract", "a-resume", "b-memory", "c-1024", "c-1024-ckpt", "d-nccl"} <= parts, parts
+    assert {"a-run", "a-contract", "a-resume", "e-run", "e-resume", "c-1024-ckpt", "d-pipeline", "d-nccl"} <= parts, parts
 
 
 def test_its_main_py_commands_are_accepted(monkeypatch, tiny_cache, tmp_path):
@@ -63,4 +63,4 @@ def test_its_main_py_commands_are_accepted(monkeypatch, tiny_cache, tmp_path):
             raise AssertionError(f"`{line}` is refused: {exc}") from None
         assert cfg.device == "cuda"
         checked += 1
-    assert checked == 2
+    assert checked == 3  # a-run, e-run, d-nccl
