@@ -50,15 +50,25 @@ def test_packed_pairs_give_the_per_timestep_loop_gradient(setup, stale):
 
 
 def test_tsp_shards_cover_every_pair_once_with_equal_pass_counts():
+    """Grades every requirement of the course's assignment 1 (docs/COURSE.md): each pair once with mask 1, equal
+    passes on every rank (tsp.num_passes of them), packs of exactly `pack` pairs with a mask entry each, padding
+    that repeats a real pair with mask 0, and `pack < 1` refused naming the value."""
     for m, t_train, world, pack in [(6, 5, 2, 4), (4, 3, 3, 2), (8, 7, 4, 8), (3, 1, 2, 1)]:
         seen, passes = [], set()
+        real = {(i, j) for i in range(m) for j in range(t_train)}
         for rank in range(world):
             packs, masks = tsp.tsp_packs(m, t_train, rank, world, pack)
             passes.add((len(packs), tuple(len(p) for p in packs)))
+            assert all(len(p) == len(mk) == pack for p, mk in zip(packs, masks)), (packs, masks)
+            assert all(w in (0.0, 1.0) for mk in masks for w in mk)
+            assert all(tuple(pair) in real for p in packs for pair in p)  # padding repeats a real pair
             seen += [pair for p, mk in zip(packs, masks) for pair, w in zip(p, mk) if w == 1.0]
-        assert sorted(seen) == sorted((i, j) for i in range(m) for j in range(t_train))
+        assert sorted(seen) == sorted(real)
         assert len(passes) == 1  # every rank runs the same number and size of passes (FSDP needs it)
         assert next(iter(passes))[0] == tsp.num_passes(m, t_train, world, pack)
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match=str(bad)):
+            tsp.tsp_packs(4, 3, 0, 1, bad)
 
 
 def test_same_fragment_same_trajectories_whoever_generates_it(setup):
