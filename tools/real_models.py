@@ -12,7 +12,9 @@ from __future__ import annotations
 # diffusers classes' defaults, which are the released ones (each builds the parameter count of "others" below).
 _FLUX_VAE = dict(block_out_channels=(128, 256, 512, 512), down_block_types=("DownEncoderBlock2D",) * 4,
                  up_block_types=("UpDecoderBlock2D",) * 4, latent_channels=16, layers_per_block=2,
-                 use_quant_conv=False, use_post_quant_conv=False, sample_size=1024)
+                 use_quant_conv=False, use_post_quant_conv=False, sample_size=1024,
+                 scaling_factor=0.3611, shift_factor=0.1159)  # FLUX.1-dev's latent scale and shift
+_SD3_VAE = {**_FLUX_VAE, "scaling_factor": 1.5305, "shift_factor": 0.0609}  # SD3.5's
 
 # diffusers transformer configs of the released checkpoints (their transformer/config.json), and what else each
 # rank loads whole in bf16: parameter counts from the components' configs, built on the meta device.
@@ -60,5 +62,5 @@ FAMILIES = {
                 blocks=("num_layers",),
                 others={"T5-XXL encoder": 4_762_310_656, "CLIP-G text (projection)": 694_659_840,
                         "CLIP-L text (projection)": 123_650_304, "VAE": 83_819_683},
-                text=dict(dim=4096, pooled=2048, clip_tokens=77), vae_spatial=8, vae=("AutoencoderKL", _FLUX_VAE)),
+                text=dict(dim=4096, pooled=2048, clip_tokens=77), vae_spatial=8, vae=("AutoencoderKL", _SD3_VAE)),
 }

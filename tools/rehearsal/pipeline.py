@@ -21,23 +21,6 @@ from tools.real_models import FAMILIES
 
 _BUILDING = threading.Lock()  # torch's default dtype is the process's: one build at a time
 
-VAE = {
-    "flux": ("AutoencoderKL", dict(
-        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512),
-        layers_per_block=2, latent_channels=16, norm_num_groups=32, sample_size=1024,
-        scaling_factor=0.3611, shift_factor=0.1159, use_quant_conv=False,
-        use_post_quant_conv=False)),
-    "sd3": ("AutoencoderKL", dict(
-        in_channels=3, out_channels=3, down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4, block_out_channels=(128, 256, 512, 512),
-        layers_per_block=2, latent_channels=16, norm_num_groups=32, sample_size=1024,
-        scaling_factor=1.5305, shift_factor=0.0609, use_quant_conv=False,
-        use_post_quant_conv=False)),
-    "qwenimage": ("AutoencoderKLQwenImage", {}),  # diffusers' defaults are Qwen-Image's VAE
-    "wan": ("AutoencoderKLWan", {}),  # ... and Wan2.1's
-    "hunyuanvideo": ("AutoencoderKLHunyuanVideo", {}),  # ... and HunyuanVideo's
-}
 SCHEDULER = {
     "flux": dict(shift=3.0, use_dynamic_shifting=True, base_image_seq_len=256,
                  max_image_seq_len=4096, base_shift=0.5, max_shift=1.15),
@@ -65,7 +48,7 @@ def classes(model: str) -> tuple:
     diffusers' lazy module is not thread-safe)."""
     import diffusers
 
-    return (getattr(diffusers, FAMILIES[model]["cls"]), getattr(diffusers, VAE[model][0]),
+    return (getattr(diffusers, FAMILIES[model]["cls"]), getattr(diffusers, FAMILIES[model]["vae"][0]),
             getattr(diffusers, PIPELINE[model]))
 
 
@@ -75,7 +58,7 @@ def build_vae(model: str):
 
     _, cls, _ = classes(model)
     with _disable_current_modes(), torch.device("meta"):
-        return cls(**VAE[model][1]).to(torch.bfloat16).requires_grad_(False).eval()
+        return cls(**FAMILIES[model]["vae"][1]).to(torch.bfloat16).requires_grad_(False).eval()
 
 
 def text_encoder_params(model: str) -> int:
