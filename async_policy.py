@@ -203,7 +203,7 @@ def generate_ahead(step: int, last_step: int, latest_version: Callable[[], int],
 
 # --- the rollout side -----------------------------------------------------------------------------
 class RolloutWeights:
-    """A rollout rank's weights, for gap.rollout_loop: batch k waits for version k; new weights are
+    """A rollout rank's weights, for main.rollout_loop: batch k waits for version k; new weights are
     swapped in only between fragments (every trajectory and group is generated under one version);
     with a stale budget, once batch k is fully claimed and version k + 1 has not come, fragments of
     batch k + 1 with version k."""

@@ -36,38 +36,9 @@ from typing import NamedTuple
 import torch
 
 
-# --- the idea: the rollout side claims, generates, announces, sends; the trainer takes each as it
-# arrives (main.py's trainer loop); every pair weighs 1/(N T_train), so any order gives one update
-def rollout_loop(*, rank: int, steps: range, queue: FragmentQueue, fragment_groups: int,
-                 generate: Callable[..., Fragment],
-                 send: Callable[[Fragment, int], None], destination_of: Callable[[int], int],
-                 weights) -> None:
-    """A rollout rank: per step, claim `fragment_groups` groups at a time until none are left;
-    generate each claim with generate(step, first_group, num_groups, version), announce it, send
-    it to its destination (the next generation starts at once: `send` queues). `weights`
-    (async_policy.RolloutWeights) says which version generates and when new weights come in: only
-    ever between fragments, and whether to generate ahead (TCSS)."""
-
-    def produce(step: int, claimed: Claim, ahead: bool = False) -> None:
-        version = weights.version(step, ahead)
-        fragment = generate(step, claimed.first_group, claimed.num_groups, version)
-        _, dst = queue.announce(step, fragment.first_group, fragment.num_groups, rank,
-                                destination_of)
-        send(fragment, dst)
-
-    def produce_ahead(step: int, claimed: Claim) -> None:
-        produce(step, claimed, ahead=True)
-
-    def claim(step: int) -> Claim | None:
-        return queue.claim(step, fragment_groups)
-
-    for step in steps:
-        weights.wait_for(step)
-        for claimed in claims(queue, step, fragment_groups, before_each=weights.between_fragments):
-            produce(step, claimed)
-        weights.after_claims(step, steps.stop - 1, claim, produce_ahead)  # TCSS: generate ahead
-
-
+# --- the idea: a rollout rank claims a range of whole groups, generates it, announces it, sends
+# it (main.rollout_loop); the trainer trains each as it arrives (main.TrainerRank); every pair
+# weighs 1/(N T_train), so any order gives one update
 def claims(queue: FragmentQueue, step: int, fragment_groups: int,
            before_each: Callable[[], object] = lambda: None) -> Iterator[Claim]:
     """Claim `fragment_groups` groups of `step` at a time until none are left; each claim is

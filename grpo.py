@@ -295,7 +295,7 @@ def advantages(rewards: torch.Tensor, prompt_keys, group_size: int, per_prompt: 
 
 # === Flow-GRPO's several updates per batch (M minibatches, an optimizer update after each) =======
 # The schedules over a step's fragments (gap.Fragment): which rows each update trains, in what
-# order; the trainer rank's loop (trainer.TrainerSide) calls them.
+# order; the trainer rank's loop (main.TrainerRank.train_batch) calls them.
 # --- several updates per batch: minibatches of whole groups, fixed before the batch is generated --
 def minibatch_bounds(groups_per_step: int, updates: int) -> list[tuple[int, int]]:
     """Update j of a step trains groups [lo_j, hi_j): M contiguous ranges of the batch's groups,
@@ -430,3 +430,30 @@ def train_in_minibatches(items: Iterable[Fragment | Announcement], bounds: list[
                 train(part)
     if current != len(bounds) - 1 or covered[-1] != bounds[-1][1] - bounds[-1][0]:
         raise AssertionError(f"a step ended with groups missing: covered {covered} of {bounds}")
+
+
+# --- the colocated baseline's static shares -----------------------------------------------------
+def static_claims(bounds: list[tuple[int, int]], rank: int, world: int) -> list[tuple[int, int]]:
+    """A colocated rank's fixed share of a step: a contiguous 1/world of every minibatch
+    (`bounds`), so every rank trains in every update, as each Flow-GRPO GPU splits its own samples
+    into the M minibatches. One (first_group, num_groups) range per minibatch, empty ones left
+    out."""
+    starts = [[lo + (hi - lo) * r // world for r in (rank, rank + 1)] for lo, hi in bounds]
+    return [(start, end - start) for start, end in starts if end > start]
+
+
+def generation_batches(ranges: list[tuple[int, int]], fragment_groups: int
+                       ) -> list[list[tuple[int, int]]]:
+    """A rank's ranges cut into generation calls of fragment_groups groups (the last maybe fewer),
+    in order: a call may join pieces of several minibatches, as Flow-GRPO samples
+    sample.batch_size at a time whatever the minibatches."""
+    batches, room = [[]], fragment_groups
+    for first, count in ranges:
+        while count:
+            if room == 0:
+                batches.append([])
+                room = fragment_groups
+            take = min(room, count)
+            batches[-1].append((first, take))
+            first, count, room = first + take, count - take, room - take
+    return [b for b in batches if b]

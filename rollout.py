@@ -6,7 +6,7 @@ statistics); and deterministic evaluation.
 idle trainer under TAG, so every producer makes the same trajectories from the same FragmentSpec.
 It is `generate_trajectories` (sample, decode, score) then `with_advantages` (per group): under TAG
 several trainers generate parts of one group (`part_spec`); advantages wait for the joined parts.
-The rollout rank's loop (claim, generate, announce, send) is gap.rollout_loop; which weights
+The rollout rank's loop (claim, generate, announce, send) is main.rollout_loop; which weights
 generate and when new ones come in is async_policy.RolloutWeights (main.py plugs both in).
 """
 from __future__ import annotations
@@ -219,6 +219,28 @@ def part_spec(spec: FragmentSpec, lo: int, hi: int) -> FragmentSpec:
                                prompt_ids=spec.prompt_ids[lo:hi],
                                init_seeds=spec.init_seeds[lo:hi],
                                noise_seeds=spec.noise_seeds[lo:hi])
+
+def joined_specs(specs: list[FragmentSpec]) -> FragmentSpec:
+    """Several ranges of one step as one generation call, rows in order (split back: split_rows);
+    only a colocated rank's calls join ranges (Flow-GRPO samples sample.batch_size at a time
+    whatever the minibatches)."""
+    return dataclasses.replace(specs[0], **{k: [x for s in specs for x in getattr(s, k)]
+                                            for k in ("prompt_ids", "init_seeds", "noise_seeds")})
+
+
+def split_rows(fragment: Fragment, ranges: list[tuple[int, int]]) -> list[Fragment]:
+    """A fragment generated for several ranges (rows in `ranges` order), cut into one per range."""
+    parts, row = [], 0
+    for first, count in ranges:
+        rows = slice(row, row + count * fragment.group_size)
+        ints = fragment.ints()
+        ints[1] = first
+        parts.append(Fragment.from_parts(ints, {k: v[rows] for k, v in fragment.tensors().items()}))
+        row = rows.stop
+    if row != fragment.num_samples:
+        raise ValueError(f"ranges {ranges} hold {row} samples, the fragment {fragment.num_samples}")
+    return parts
+
 
 
 def _host(t: torch.Tensor) -> torch.Tensor:

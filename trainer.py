@@ -5,8 +5,8 @@ Every pair carries weight 1/(N T_train) (gap.pair_weights, docs/DESIGN.md sectio
 rank trains whichever pair, in whatever packing and order, the summed gradient is the full-batch
 mean's gradient; a stale pair's PPO ratio is against its recorded log-prob
 (async_policy.behaviour_log_prob). Which fragments reach this rank and which of their pairs it
-trains is decided by the mechanisms main.py plugs in (trainer_loop below, tsp.lockstep_fragments /
-gap.dealt_fragments, tag.Assistant); this file trains. Gradients are summed on the compute plane
+trains is decided by the trainer rank's loop (main.TrainerRank: gap.dealt_fragments,
+tsp.lockstep_fragments, tag.Assistant); this file trains. Gradients are summed on the compute plane
 (comm.py: device tensors, main thread); metrics (infra/step_metrics.py) go over the trainers' data
 group (gloo, CPU).
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import time
 from collections.abc import Callable, Iterable
 from typing import ContextManager
 
@@ -28,12 +27,11 @@ import gap
 import grpo
 import models
 from flowgrpo import ema as ema_lib
-from gap import Announcement, Fragment
 from infra import checkpoint_file, step_metrics
 from infra.checkpoint_file import Deferred
 from infra.step_metrics import MetricSums, summarize
 from rollout import step_fn
-from tsp import PackStream, gather_pairs, gather_spanning
+from tsp import gather_pairs, gather_spanning
 
 
 @dataclasses.dataclass
@@ -462,56 +460,6 @@ def _like(whole: torch.Tensor, param) -> torch.Tensor:
     return whole.to(param.device, param.dtype)
 
 
-# --- one fragment ---------------------------------------------------------------------------------
-def train_fragment(trainer: Trainer, fragment: gap.Fragment, *, pairs_of: Callable,
-                   total_pairs: int | Callable[[gap.Fragment], int], count: bool, tcss_on: bool,
-                   reward_names: list[str], tracer=None, on_trained: Callable | None = None,
-                   pace: Callable[[], ContextManager] = contextlib.nullcontext,
-                   stream: PackStream | None = None) -> None:
-    """Train this rank's share of a fragment: pairs_of(m, T_train) -> (packs, masks) is TSP's share
-    or the per-timestep loop; with `stream` (TSP packs spanning fragments) the packs every trainer
-    can fill now, the rest at flush_packs. `count` on exactly one trainer per fragment (its rewards
-    enter the metrics once). `tracer` (a "train" span) and `pace` (infra/emulate.py's benchmark
-    emulation) hook in from outside."""
-    # the TCSS bound
-    async_policy.check_staleness(trainer.version, fragment.policy_version, tcss_on)
-    if count and not fragment.minibatch_samples:  # sample minibatches: counted whole (gap)
-        trainer.count_fragment(fragment, reward_names)
-    moved = fragment.to(trainer.policy.device)
-    start = time.perf_counter()
-    if stream is not None:
-        _train_packs(trainer, stream.add(moved), total_pairs, tracer, pace, fragment)
-    else:
-        packs, masks = pairs_of(*fragment.latents.shape[:2])
-        denominator = total_pairs(fragment) if callable(total_pairs) else total_pairs
-        with _train_span(tracer, fragment, masks), pace():
-            trainer.accumulate(moved, packs, masks, denominator)
-    if on_trained is not None:
-        on_trained(fragment, time.perf_counter() - start)
-
-
-def flush_packs(trainer: Trainer, stream: PackStream, total_pairs: Callable[[gap.Fragment], int],
-                tracer=None, pace: Callable[[], ContextManager] = contextlib.nullcontext) -> None:
-    """Before an update: train the stream's open packs, padded (TSP packs spanning fragments)."""
-    _train_packs(trainer, stream.flush(), total_pairs, tracer, pace, None)
-
-
-def _train_packs(trainer, packs, total_pairs, tracer, pace, fragment) -> None:
-    if packs:
-        items = packs[0][0]  # the first pack's (fragment, pair)s
-        with _train_span(tracer, fragment or items[0][0], [mask for _, mask in packs]), pace():
-            trainer.accumulate_spanning(packs, total_pairs)
-
-
-def _train_span(tracer, fragment, masks):
-    """A "train" span: real pairs (TSP padding excluded) and slots (what the passes cost)."""
-    if tracer is None:
-        return contextlib.nullcontext()
-    return tracer.span("train", step=fragment.step, first_group=fragment.first_group,
-                       pairs=sum(int(sum(mask)) for mask in masks),
-                       slots=sum(len(mask) for mask in masks))
-
-
 def shard_for_fsdp(policy, compute_group, keep_reference: bool) -> None:
     """FSDP2 over the trainers' compute group: each transformer block is a unit (gathered only while
     it runs), then the root. With `keep_reference` (full fine-tuning with a KL term) the reference,
@@ -556,75 +504,3 @@ def shard_for_fsdp(policy, compute_group, keep_reference: bool) -> None:
             module.set_gradient_divide_factor(1.0)
             # plain SUM collectives: gloo has no PREMUL_SUM
             module.set_force_sum_reduction_for_comms(True)
-
-
-# --- the trainer rank's step: fragments in, M updates, publish (gap.py streams them in) ----------
-def nothing(*args) -> None:
-    """A hook that does nothing."""
-
-
-@dataclasses.dataclass
-class TrainerSide:
-    """What a trainer rank does, filled in by main.py: which fragments it trains in a step (dealt,
-    or TSP's lockstep), how it trains one, the updates (several per batch: `bounds`), publishing
-    (TCSS), the end of a step. A version is one RL step: published once per step, whatever the
-    number of updates."""
-
-    fragments_of: Callable[[int], Iterable[Fragment | Announcement]]
-    train: Callable[[Fragment], None]
-    optimizer_step: Callable[[int], dict]  # the step's last update, then its metrics
-    version: Callable[[], int]
-    publish: Callable[[int], None]
-    end_step: Callable[[int, dict], None]
-    before_publish: Callable[[int], object] = nothing  # TAG: claim a share of the next batch
-    # an update inside the step (minibatch j < M - 1 done)
-    update: Callable[[int], object] = nothing
-    bounds: list[tuple[int, int]] | None = None  # grpo.minibatch_bounds; None: one update
-    # before every update: train what is still open (TSP's packs)
-    flush: Callable[[], object] = nothing
-    # Batch-level advantages (flowgrpo/batch_rewards.py): when set, a step's fragments are first all
-    # collected (every group of the step is then produced, TAG's included), restated, then trained.
-    restate: Callable[[int, list[Fragment]], list[Fragment]] | None = None
-    # Flow-GRPO's sample minibatches (--minibatches samples): minibatches(step) -> M lists of the
-    # step's sample indices (grpo.sample_minibatches); the step's fragments are collected, then
-    # trained by grpo.train_by_samples, each whole fragment counted by `count`. None: whole-group
-    # minibatches.
-    minibatches: Callable[[int], list[list[int]]] | None = None
-    count: Callable[[Fragment], None] = nothing
-
-    def train_step(self, step: int, items: Iterable[Fragment | Announcement]) -> dict:
-        """One RL step's training: M minibatches, an update after each (open packs flushed
-        first)."""
-        if self.restate is not None or self.minibatches is not None:  # the whole batch first
-            items = list(items)
-        if self.restate is not None:  # the whole batch's rewards: no streaming this step
-            mine = self.restate(step, [f for f in items if isinstance(f, Fragment)])
-            items = [*mine, *(a for a in items if not isinstance(a, Fragment))]
-
-        def update(j: int) -> None:
-            self.flush()
-            self.update(step)
-        if self.minibatches is not None:
-            grpo.train_by_samples([f for f in items if isinstance(f, Fragment)],
-                                  self.minibatches(step), self.train, update, self.count)
-        elif self.bounds is None:
-            for fragment in (f for f in items if isinstance(f, Fragment)):
-                self.train(fragment)
-        else:
-            grpo.train_in_minibatches(items, self.bounds, self.train, update)
-        self.flush()
-        return self.optimizer_step(step)
-
-
-def trainer_loop(side: TrainerSide, steps: range, streaming: bool) -> None:
-    """A trainer rank: per step, train the fragments as they arrive (GAP) or after the whole batch,
-    one update per minibatch, publish the new weights, then log/evaluate/checkpoint (after
-    publishing, so the rollout ranks are not kept waiting)."""
-    # version 0, or the resumed one: rollout ranks take their first weights
-    side.publish(side.version())
-    for step in steps:
-        items = side.fragments_of(step)
-        metrics = side.train_step(step, items if streaming else list(items))
-        side.before_publish(step)
-        side.publish(side.version())
-        side.end_step(step, metrics)

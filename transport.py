@@ -7,10 +7,12 @@
     transport.publish_weights(tensors, count, version, src, group, dtypes)   # TCSS: the leader
     transport.WeightReceiver(src, group, shapes)       # TCSS: a rollout rank's mailbox thread
     transport.broadcast_command(command, src, group)   # TSP: the leader's (kind, a, b)
+    transport.TrainerLinks(groups, queue, tracer, progress)  # a trainer's receives, shares: named
 
 The mechanism files (gap.py, tsp.py, tag.py, async_policy.py) never touch torch.distributed for
 data: main.py hands them these functions. Every call here is data plane (comm.py's rule 1): CPU
-tensors on a gloo group.
+tensors on a gloo group. TrainerLinks puts a trainer's receives and broadcasts inside the phase
+liveness names when one stalls (infra/progress.py) and the span the trace shows.
 
 A fragment is two messages: a fixed-size int64 header (ints, dtypes, shapes, byte lengths), then ONE
 uint8 buffer holding the names and every tensor's bytes (8-byte aligned). One large message costs
@@ -334,3 +336,44 @@ def broadcast_command(command: tuple[int, int, int] | None, src: int,
     message = torch.tensor(command if command is not None else (0, 0, 0), dtype=torch.int64)
     dist.broadcast(message, src=src, group=group)
     return tuple(int(x) for x in message)
+
+
+# --- a trainer's receives and broadcasts, each inside its named phase -----------------------------
+class TrainerLinks:
+    """How a trainer takes fragments in (main.TrainerRank.fragments): waits and receives in tracing
+    spans ("wait", "recv": liveness names them too), TSP's and TAG's broadcasts in named phases.
+    `groups` is comm.Groups, `queue` gap.FragmentQueue."""
+
+    def __init__(self, groups, queue, tracer, progress):
+        self.groups, self.queue, self.tracer, self.progress = groups, queue, tracer, progress
+
+    def announced(self, step: int, seq: int):
+        with self.tracer.span("wait", step=step, what="fragment"):
+            return self.queue.wait(step, seq)
+
+    def decide(self, step: int, decide: Callable[[int, int], tuple[int, int, int]], next_seq: int,
+               done: int) -> tuple[int, int, int]:
+        """The leader's TSP decision, which may wait for an arrival."""
+        with self.tracer.span("wait", step=step, what="fragment"):
+            return decide(next_seq, done)
+
+    def receive(self, step: int, announcement) -> Fragment:
+        with self.tracer.span("recv", step=step, first_group=announcement.first_group):
+            return recv_fragment(announcement.producer, group=self.groups.world_data)
+
+    def receive_seq(self, step: int, seq: int) -> Fragment:
+        return self.receive(step, self.queue.wait(step, seq))
+
+    def share_command(self, command: tuple[int, int, int] | None) -> tuple[int, int, int]:
+        with _inside(self.progress, "command broadcast"):
+            return broadcast_command(command, self.groups.leader, self.groups.trainer_data)
+
+    def share_fragment(self, fragment: Fragment | None) -> Fragment:
+        with _inside(self.progress, "fragment broadcast"):
+            return broadcast_fragment(fragment, self.groups.leader, self.groups.trainer_data)
+
+    def share_part(self, part: Fragment | None, owner: int) -> Fragment:
+        """TAG: trainer `owner`'s share of a claim, on every trainer."""
+        with _inside(self.progress, "tag share"):
+            return broadcast_fragment(part, self.groups.trainer_ranks[owner],
+                                      self.groups.trainer_data)

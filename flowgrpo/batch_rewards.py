@@ -13,10 +13,11 @@ posts each group's (prompt id, rewards) under `{step}/{group}` when it scores it
 its fragments' advantages from grpo.advantages over the whole batch once every group of the step is
 posted. Store only (CPU, the data plane), no collective.
 
-Deadlocks: restate runs after the step's fragment iterator is exhausted (trainer.trainer_loop,
-colocated.loop), and by then every group of the step has been produced. Rollout ranks generate a
-step's groups without waiting for that step's training; under TSP's lockstep with TAG the trainers
-generate their groups inside the iterator itself, so exhausting it means all groups are in;
+Deadlocks: restate runs after the step's fragment iterator is exhausted
+(main.TrainerRank.train_batch, a trainer's and a colocated rank's), and by then every group of the
+step has been produced. Rollout ranks generate a step's groups without waiting for that step's
+training; under TSP's lockstep with TAG the trainers generate their groups inside the iterator
+itself, so exhausting it means all groups are in;
 colocated ranks generate their static share before they restate. A post happens inside generation,
 before the fragment is announced or sent, so a fragment a trainer holds has always been posted. The
 wait has no deadline (a dead producer ends the job through liveness). Forgetting step s at its end

@@ -2,7 +2,8 @@
 end of a step (log, evaluate, checkpoint, forget old store keys, the progress bar).
 
     books = Bookkeeping(cfg, steps, trainer, policy, source, sampling, score, reward_names, tracer, job, leader)
-    side = trainer.TrainerSide(..., optimizer_step=books.optimizer_step, end_step=books.end_step, ...)
+    metrics = books.optimizer_step(step)   # main.TrainerRank: the step's last update
+    books.end_step(step, metrics)          # log, evaluate, checkpoint
     books.forgetting(queue.forget_old, assistant.forget)   # per-step state the mechanisms drop
 
 The leader writes the run directory (infra/rundir.py); every trainer evaluates its share of the evaluation

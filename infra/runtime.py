@@ -28,7 +28,8 @@ from infra.launch import open_store
 from infra.liveness import Liveness
 from infra.preemption import Preemption
 from infra.progress import STARTING, Progress
-from infra.tracing import Tracer, gather_spans, write_chrome_trace, write_timeline_png
+from infra.tracing import (Tracer, gather_spans, steps_window, write_chrome_trace,
+                           write_timeline_png)
 
 
 @dataclasses.dataclass
@@ -193,6 +194,10 @@ def shutdown(job: Job, cfg, groups: comm.Groups, tracer: Tracer, run_dir, device
                 write_chrome_trace(spans, os.path.join(run_dir.path, "trace.json"))
                 write_timeline_png(spans, os.path.join(run_dir.path, "timeline.png"),
                                    title=f"{cfg.model} {cfg.mode}")
+                few = steps_window(spans, 1, 3)  # after step 0's warm-up: which fragment trains
+                if few is not None:              # while which is generated, readable
+                    write_timeline_png(few, os.path.join(run_dir.path, "timeline_steps_1-3.png"),
+                                       title=f"{cfg.model} {cfg.mode}: steps 1-3")
         progress.bump()
         print(f"[digenrl] done: {run_dir.path}", flush=True)
     if device.startswith("cuda"):

@@ -16,6 +16,7 @@ fraction (docs/DESIGN.md section 6).
     if spans is not None:
         write_chrome_trace(spans, "run/trace.json")
         write_timeline_png(spans, "run/timeline.png")
+        write_timeline_png(steps_window(spans, 1, 3), "run/timeline_steps_1-3.png")
         print(summarize(spans))
 
 Recording costs one small object and one tuple append per span (see `measure_overhead`),
@@ -268,6 +269,22 @@ def write_timeline_png(spans: list[dict], path, title: str | None = None) -> Non
         ax.set_title(title)
     fig.tight_layout()
     _atomic_write(path, lambda f: fig.savefig(f, format="png"))
+
+
+def steps_window(spans: list[dict], first: int, count: int) -> list[dict] | None:
+    """The spans of steps [first, first + count), each clipped to them: a few steps a reader can
+    follow (a whole run's timeline is stripes). The window runs from the trainers' earliest
+    end-of-step mark of step first - 1 to their latest mark of step first + count - 1 (marks are
+    made at a step's end, infra/bookkeeping.py); None when the run has no such marks."""
+    ends: dict[int, list[float]] = {}
+    for s in spans:
+        if s["kind"] == STEP_MARK_KIND:
+            ends.setdefault(s["args"].get("step"), []).append(s["start"])
+    if first - 1 not in ends or first + count - 1 not in ends:
+        return None
+    lo, hi = min(ends[first - 1]), max(ends[first + count - 1])
+    return [dict(s, start=max(s["start"], lo), end=min(s["end"], hi)) for s in spans
+            if s["end"] >= lo and s["start"] <= hi]
 
 
 def union_length(intervals, lo: float = -math.inf, hi: float = math.inf) -> float:

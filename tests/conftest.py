@@ -105,3 +105,28 @@ def rank_pids(launcher_pid: int, nproc: int, timeout_s: float = 120.0) -> dict[i
         if time.monotonic() > deadline:
             raise AssertionError(f"found ranks {sorted(found)} of {nproc} after {timeout_s} s")
         time.sleep(0.05)
+
+
+def trainer_rank_of(cfg, trainer=None, books=None, batch=None, groups=None, steps=range(1), generate=None,
+                    reward_names=("r",)):
+    """main.TrainerRank as trainer_rank builds it, on one process, with what a test does not need left out: no
+    publisher (nothing to publish to), no TAG assistant, no queue (a test gives `fragments`: TrainerRank.fragments
+    replaced), tracing off, `cfg` resolved. `books` needs optimizer_step(step) -> metrics, update(step) and end_step(step, metrics)
+    (infra/bookkeeping.py's); `groups` defaults to one colocated rank."""
+    import contextlib
+    import types
+
+    import comm
+    import config
+    import main
+    import rollout
+    from infra.tracing import Tracer
+
+    groups = groups or comm.Groups(0, 1, [0], [0])
+    cfg = config.resolve(cfg, world=groups.world)  # the mode's mechanisms and the presets filled in, as a run's
+    r = types.SimpleNamespace(cfg=cfg, groups=groups, steps=steps, queue=None, batch=batch, generate=generate,
+                              sampling=rollout.SamplingConfig.of(cfg), tracer=Tracer(0, groups.role, enabled=False),
+                              pace=contextlib.nullcontext, reward_fn=types.SimpleNamespace(names=list(reward_names)),
+                              job=types.SimpleNamespace(progress=None))
+    publisher = types.SimpleNamespace(publish=lambda version: None, stop=lambda: None)
+    return main.TrainerRank(r, trainer, books, publisher, assistant=None)

@@ -1,4 +1,4 @@
-"""Flow-GRPO's batch-level advantages in the runtime (flowgrpo/batch_rewards.py, TrainerSide.restate):
+"""Flow-GRPO's batch-level advantages in the runtime (flowgrpo/batch_rewards.py, main.TrainerRank.train_batch):
 
 - the trainer loop and the colocated loop train exactly the advantages of Flow-GRPO's own code (the
   PerPromptStatTracker and train_sd3.py block re-typed in tests/test_advantages.py, from
@@ -14,10 +14,12 @@
 
 Run: python -m pytest -q tests/test_batch_rewards.py
 """
+import dataclasses
 import os
 import random
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -25,13 +27,12 @@ import torch.distributed as dist
 
 from flowgrpo import batch_rewards
 import config
-import colocated
+import comm
 import gap
-from trainer import TrainerSide, trainer_loop, nothing
 import grpo
 import models
 import rewards
-from conftest import checkpoint_weights, read_metrics, run_main
+from conftest import checkpoint_weights, read_metrics, run_main, trainer_rank_of
 from test_advantages import flow_grpo_train_sd3_advantages
 
 pytestmark = pytest.mark.timeout(600)
@@ -67,7 +68,7 @@ def _fragment(rewards: torch.Tensor, first: int, count: int, step: int = 0) -> g
 
 
 def _cfg(**kw) -> config.Config:
-    return config.Config(group_size=G, prompts_per_step=len(PROMPTS), **kw)
+    return config.Config(group_size=G, prompts_per_step=len(PROMPTS), **{"minibatches": "groups", **kw})
 
 
 def _rewards_of(cfg, store=None) -> batch_rewards.BatchRewards:
@@ -77,14 +78,21 @@ def _rewards_of(cfg, store=None) -> batch_rewards.BatchRewards:
 
 def _trained(fragments: dict[int, torch.Tensor]) -> torch.Tensor:
     """The advantages the loop trained, in group order [6 G]."""
-    return torch.cat([fragments[first] for first, _ in CUT])
+    return torch.cat([fragments[first] for first in sorted(fragments)])
 
 
-def _side(restate, fragments, trained) -> TrainerSide:
-    return TrainerSide(fragments_of=lambda step: iter(fragments),
-                           train=lambda f: trained.__setitem__(f.first_group, f.advantages),
-                           optimizer_step=lambda step: {}, version=lambda: 0, publish=nothing,
-                           end_step=lambda step, metrics: None, restate=restate)
+def _rank(cfg, batch, fragments, trained, colocated=False):
+    """main.TrainerRank on a trainer rank receiving `fragments` (or a colocated rank generating its share
+    from the reward table), recording the advantages each fragment is trained with."""
+    groups = comm.Groups(0, 1, [0], [0]) if colocated else comm.Groups(1, 2, [0], [1])
+    books = types.SimpleNamespace(optimizer_step=lambda step: {}, update=lambda step: None,
+                                  end_step=lambda step, metrics: None)
+    rank = trainer_rank_of(cfg, types.SimpleNamespace(current_version=lambda: 0), books, batch, groups,
+                           generate=lambda step, ranges, version, producer: [
+                               _fragment(_table(2), first, count, step) for first, count in ranges])
+    rank.fragments = lambda step: iter(fragments)
+    rank.train = lambda f: trained.__setitem__(f.first_group, f.advantages)
+    return rank
 
 
 @pytest.mark.parametrize("global_std", [False, True])
@@ -101,14 +109,15 @@ def test_the_trainer_loop_trains_flow_grpos_advantages(global_std, seed):
     random.Random(seed).shuffle(fragments)  # arrival order
     for streaming in (True, False):  # GAP and the naive barrier
         trained = {}
-        trainer_loop(_side(_rewards_of(cfg).restate, fragments, trained), range(1), streaming)
+        on = dataclasses.replace(cfg, gap=streaming)
+        _rank(on, _rewards_of(on), fragments, trained).run()
         torch.testing.assert_close(_trained(trained), theirs[:, 0].float(), rtol=1e-5, atol=1e-5)
     assert not keep.all()  # grey (all equal) is one Flow-GRPO drops: here its advantages are 0 too
     assert float(_trained(trained)[~keep].abs().max()) == 0
     per_group = torch.cat([_fragment(rewards, f, c).advantages for f, c in CUT])
     assert float((per_group - theirs[:, 0]).abs().max()) > 0.1  # pooling / global std changed them
     trained = {}  # without the hook the loop trains what the fragments carry: per group
-    trainer_loop(_side(None, fragments, trained), range(1), True)
+    _rank(cfg, None, fragments, trained).run()
     torch.testing.assert_close(_trained(trained), per_group)
 
 
@@ -118,10 +127,9 @@ def test_batch_wide_statistics_and_the_colocated_loop():
     rewards = _table(2)
     theirs, _ = flow_grpo_train_sd3_advantages(PROMPTS, rewards, False, False)  # prompts unused
     trained = {}
-    side = _side(_rewards_of(_cfg(per_prompt_stat_tracking=False)).restate, [], trained)
-    colocated.loop(side, range(1), lambda rank, world, step: CUT, 0, 1,
-                       lambda step, ranges, version: [_fragment(rewards, first, count, step)
-                                                      for first, count in ranges], fragment_groups=3)
+    cfg = _cfg(per_prompt_stat_tracking=False, mode="colocated", fragment_groups=4)  # calls of 4 and 2 groups
+    _rank(cfg, _rewards_of(cfg), [], trained, colocated=True).run()
+    assert sorted(trained) == [0, 3, 4]  # groups 0-3 and 4-5 generated; M = 2 cuts the first at group 3
     torch.testing.assert_close(_trained(trained), theirs[:, 0].float(), rtol=1e-5, atol=1e-5)
 
 

@@ -7,7 +7,7 @@ Bugs caught: an error the thread swallows (the main thread would wait for ever);
 the sender only when it hands it the next fragment (it hung in `mailbox.wait_for` when the send of a step's
 last fragment failed: the trainer waits for that fragment, the rollout for the weights that follow it).
 
-The harness (tests/dist_harness.py) runs the real `gap.rollout_loop` with a real sender and async_policy.RolloutWeights
+The harness (tests/dist_harness.py) runs the real `main.rollout_loop` with a real sender and async_policy.RolloutWeights
 on rank 0 and a scripted trainer on rank 1 (receives fragments as announced, publishes a version after each
 step). The rollout loop is the same code in every disaggregated mode (naive, gap, gap+tsp, gap+tsp+tag,
 digenrl); what changes its control flow is TCSS (the stale budget: generate-ahead between a step's last
@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 import dist_harness
 import gap
+import main
 import async_policy
 import transport
 from conftest import ROOT
@@ -81,8 +82,12 @@ def _worker(rank, world, store, fault, use_tcss, fragment_groups, groups_per_ste
     sender = transport.FragmentSender(failing_send)
     budget = async_policy.StaleBudget(dist.PrefixStore("stale", store), 1) if use_tcss else None
     weights = async_policy.RolloutWeights(async_policy.Mailbox(failing_receive), params, budget, also_check=sender.raise_if_failed)
-    gap.rollout_loop(rank=0, steps=range(STEPS), queue=queue, fragment_groups=fragment_groups, generate=generate,
-                     send=sender.put, destination_of=lambda seq: 1, weights=weights)
+    def produce(step, claimed, ahead=False):  # main.rollout_rank's, with a scripted generation
+        fragment = generate(step, claimed.first_group, claimed.num_groups, weights.version(step, ahead))
+        queue.announce(step, claimed.first_group, claimed.num_groups, 0, lambda seq: 1)
+        sender.put(fragment, 1)
+
+    main.rollout_loop(range(STEPS), queue, fragment_groups, weights, produce)
     sender.close()
     weights.close()
     return "rollout finished although its thread failed"

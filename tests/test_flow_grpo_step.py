@@ -13,7 +13,7 @@ policy and the KL term acts from the first pair) and train the same trajectories
 sampled sub-batches each, recorded log-probs off by up to three clip ranges (a rollout's other numerics), max_grad_norm 0.05 (clipping acts), EMA every 2 updates (its trigger falls inside the
 step, applied twice: one ema.step per sub-batch). One prompt's rewards are all equal: SD3's script drops its
 samples (advantage 0) and re-divides the rest; FLUX's keeps them. Ours runs the real trainer side
-(TrainerSide with --minibatches samples, batch_rewards.BatchRewards's restate, wiring.fragment_training's TSP
+(main.TrainerRank.train_batch with --minibatches samples, batch_rewards.BatchRewards's restate, TrainerRank.train's TSP
 packs, trainer.Trainer) from the run's resolved Config. The trained weights and the EMA must equal Flow-GRPO's
 (allclose in float32), and each hand-made bug of issue 39 must break that: the KL over the step variance
 (--kl-scale step), the unconditional branch back-propagated (--no-detach-uncond), update 0 against its own
@@ -24,22 +24,20 @@ Run: python -m pytest -q tests/test_flow_grpo_step.py
 import contextlib
 import dataclasses
 import functools
+import types
 
 import pytest
 import torch
 
 from flowgrpo import batch_rewards
-import comm
 import config
 import gap
 import grpo
 import models
-import wiring
-from conftest import tiny_fragment  # noqa: F401  (the tiny_cache fixture comes with conftest)
-from infra.tracing import Tracer
+from conftest import tiny_fragment, trainer_rank_of  # noqa: F401  (the tiny_cache fixture comes with conftest)
 from rollout import SamplingConfig, generate_fragment
 from test_reference_steps import flow_grpo_sde_step_with_logprob as sde_step_with_logprob
-from trainer import TrainConfig, Trainer, TrainerSide, nothing
+from trainer import TrainConfig, Trainer
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -101,21 +99,12 @@ def trajectories(policy, cfg):
 
 # --- ours: the real trainer side --------------------------------------------------------------------------------
 def our_step(policy, fragments, cfg):
-    """One RL step through TrainerSide as trainer_rank wires it (one colocated rank): restated batch
+    """One RL step through main.TrainerRank as trainer_rank builds it (one colocated rank): restated batch
     advantages, the step's sample minibatches, TSP packs, M updates and the step's optimizer step."""
     trainer = Trainer(policy, TrainConfig.of(cfg))
-    groups = comm.build_groups(0, 1, "colocated", 1)
-    t_train = int(T * cfg.timestep_fraction)
-    bounds = grpo.minibatch_bounds(cfg.prompts_per_step, cfg.updates_per_batch)
-    train, flush, count = wiring.fragment_training(cfg, groups, trainer, bounds, t_train, ["r"],
-                                                   Tracer(0, "trainer", enabled=False),
-                                                   contextlib.nullcontext, None)
     batch = batch_rewards.BatchRewards(None, cfg.prompts_per_step, G, batch_rewards.run_advantages(cfg))
-    side = TrainerSide(fragments_of=None, train=train, optimizer_step=lambda step: trainer.step(["r"]),
-                           version=trainer.current_version, publish=nothing, end_step=nothing,
-                           update=lambda step: trainer.update(), bounds=bounds, flush=flush,
-                           restate=batch.restate, minibatches=wiring.minibatch_plan(cfg, batch), count=count)
-    metrics = side.train_step(0, list(fragments))
+    books = types.SimpleNamespace(optimizer_step=lambda step: trainer.step(["r"]), update=lambda step: trainer.update())
+    metrics = trainer_rank_of(cfg, trainer, books, batch).train_batch(0, list(fragments))
     return [p.detach().clone() for p in trainer.params], [s.clone() for s in trainer.ema.shadow], metrics
 
 

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 
 import dist_harness
-import colocated
+import rollout
 import gap
 import grpo
 import async_policy
@@ -116,13 +116,13 @@ def test_fragment_specs_are_deterministic_and_whole_groups():
 @pytest.mark.parametrize("groups,fragment_groups,updates,world", [(4, 2, 2, 2), (6, 2, 2, 2), (8, 4, 2, 3),
                                                                   (4, 1, 1, 2), (5, 2, 3, 2)])
 def test_every_colocated_rank_trains_in_every_update(groups, fragment_groups, updates, world):
-    """The colocated baseline's static shares (colocated.static_claims): the ranks' claims tile the batch
+    """The colocated baseline's static shares (grpo.static_claims): the ranks' claims tile the batch
     exactly once, each range within one minibatch, and every rank holds part of every minibatch that
     has at least `world` groups (with fragments r, r + P, ... of the whole batch, B = 4 in fragments
     of 2 at M = 2 put each minibatch on one rank: the other idled through half the training). Its
-    generation calls (colocated.generation_batches) hold fragment_groups groups each, the last maybe fewer."""
+    generation calls (grpo.generation_batches) hold fragment_groups groups each, the last maybe fewer."""
     bounds = grpo.minibatch_bounds(groups, updates)
-    shares = [colocated.static_claims(bounds, rank, world, 0) for rank in range(world)]
+    shares = [grpo.static_claims(bounds, rank, world) for rank in range(world)]
     covered = sorted(g for share in shares for first, count in share for g in range(first, first + count))
     assert covered == list(range(groups))
     for rank, share in enumerate(shares):
@@ -130,7 +130,7 @@ def test_every_colocated_rank_trains_in_every_update(groups, fragment_groups, up
         for lo, hi in bounds:
             if hi - lo >= world:
                 assert any(lo <= first < hi for first, _ in share), (rank, lo, hi, share)
-        calls = colocated.generation_batches(share, fragment_groups)
+        calls = grpo.generation_batches(share, fragment_groups)
         sizes = [sum(count for _, count in call) for call in calls]
         assert sizes[:-1] == [fragment_groups] * (len(sizes) - 1) and 1 <= sizes[-1] <= fragment_groups
         assert [g for call in calls for f, c in call for g in range(f, f + c)] == \
@@ -140,13 +140,13 @@ def test_every_colocated_rank_trains_in_every_update(groups, fragment_groups, up
 def test_generation_batches_and_split_rows_by_hand():
     """B = 4, M = 2, P = 2: rank 0 holds groups 0 and 2, one call of 2 groups (8 samples at G = 4, as one
     Flow-GRPO sampling batch), cut back into the fragments of groups [0, 1) and [2, 3)."""
-    assert colocated.static_claims(grpo.minibatch_bounds(4, 2), 0, 2, 0) == [(0, 1), (2, 1)]
-    assert colocated.generation_batches([(0, 1), (2, 1)], 2) == [[(0, 1), (2, 1)]]
-    assert colocated.generation_batches([(0, 3), (6, 3)], 2) == [[(0, 2)], [(2, 1), (6, 1)], [(7, 2)]]
+    assert grpo.static_claims(grpo.minibatch_bounds(4, 2), 0, 2) == [(0, 1), (2, 1)]
+    assert grpo.generation_batches([(0, 1), (2, 1)], 2) == [[(0, 1), (2, 1)]]
+    assert grpo.generation_batches([(0, 3), (6, 3)], 2) == [[(0, 2)], [(2, 1), (6, 1)], [(7, 2)]]
     spec = gap.fragment_spec(0, 0, 0, 4, 10, 4, 2)
     whole = gap._demo_fragment(spec, 3, 1, 2, 3)  # groups [0, 4), 8 rows
-    parts = colocated.split_rows(whole, [(0, 1), (2, 3)])
+    parts = rollout.split_rows(whole, [(0, 1), (2, 3)])
     assert [(p.first_group, p.num_groups, p.policy_version, p.producer) for p in parts] == [(0, 1, 3, 1), (2, 3, 3, 1)]
     torch.testing.assert_close(parts[1].latents, whole.latents[2:])
     with pytest.raises(ValueError, match="hold 4 samples"):
-        colocated.split_rows(whole, [(0, 2)])
+        rollout.split_rows(whole, [(0, 2)])

@@ -3,7 +3,7 @@
 No process group and no model: a torch.distributed HashStore stands in for the job's TCPStore (the same
 atomic `add`), and plain callables stand in for the ranks. Each test names the bug it catches:
 - the staleness bound (TCSS): a fragment two versions old is refused, with TCSS on or off, by
-  async_policy.check_staleness, by Trainer.accumulate and by train_fragment (catches a bound relaxed to 2);
+  async_policy.check_staleness, by Trainer.accumulate and by main.TrainerRank.train (catches a bound relaxed to 2);
 - the stale budget j is per step and never exceeded; generate_ahead stops at the budget, when the new
   weights arrive and after the last step (catches a budget ignored, generating ahead past new weights);
 - FragmentQueue claims contiguous group ranges, the last one cut at the batch end (catches an off-by-one
@@ -11,7 +11,7 @@ atomic `add`), and plain callables stand in for the ranks. Each test names the b
 - any cut of the batch gives the same trajectories (catches fragment-local seeds or prompts);
 - concat_fragments keeps group order and the header (catches TAG shares joined in the wrong order, a
   version and producer swapped when a fragment is rebuilt);
-- GAP trains a fragment before the next one is received; the barrier after all of them;
+- GAP trains a fragment before the next one is received; the barrier after all of them (main.TrainerRank.run);
 - dealt fragments: trainer k of K gets announcements k, k + K, ... (catches a fragment trained twice);
 - the TSP lockstep protocol trains each announced fragment once and counts groups, not fragments;
 - TAG's assisted generation generates each claimed trajectory exactly once, at its global index,
@@ -38,7 +38,14 @@ import gap
 import grpo
 import tag
 import tsp
-from trainer import TrainConfig, Trainer, TrainerSide, nothing, train_fragment, trainer_loop
+import comm
+import config
+from conftest import trainer_rank_of
+from trainer import TrainConfig, Trainer
+
+
+def nothing(*args) -> None:
+    """A hook that does nothing."""
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -97,21 +104,16 @@ def test_the_trainer_refuses_a_fragment_two_versions_old_and_trains_one_version_
     assert trainer.metrics.sums["pairs_stale"] == 4
 
 
-class NoSpans:
-    def span(self, *args, **kwargs):
-        import contextlib
-        return contextlib.nullcontext()
-
-
-def test_train_fragment_refuses_a_stale_fragment_without_tcss():
+def test_the_trainer_rank_refuses_a_stale_fragment_without_tcss():
+    """main.TrainerRank.train checks the bound before it counts or trains (catches the check dropped there)."""
     trainer = _trainer(version=3)
     fragment = _fragment(version=2)
-    kwargs = dict(pairs_of=lambda m, t: _packs(fragment), total_pairs=4, count=True, reward_names=["c"],
-                  tracer=NoSpans())
+    cfg = config.Config(prompts_per_step=1, group_size=2, num_steps=3, updates_per_batch=1, use_tcss=False)
     with pytest.raises(AssertionError, match="staleness 1"):
-        train_fragment(trainer, fragment, tcss_on=False, **kwargs)
+        trainer_rank_of(cfg, trainer).train(fragment)
     assert "trajectories" not in trainer.metrics.sums  # refused before it was counted or trained
-    train_fragment(trainer, fragment, tcss_on=True, **kwargs)
+    trainer_rank_of(config.Config(prompts_per_step=1, group_size=2, num_steps=3, updates_per_batch=1,
+                                  use_tcss=True), trainer).train(fragment)
     assert trainer.metrics.sums["stale_fragments"] == 1
 
 
@@ -268,19 +270,27 @@ def test_concat_and_to_keep_group_order_and_every_header_field():
 
 
 def test_gap_trains_each_fragment_as_it_arrives_and_the_barrier_after_all():
-    for streaming, want in [(True, ["recv 0", "train 0", "recv 1", "train 1", "step"]),
-                            (False, ["recv 0", "recv 1", "train 0", "train 1", "step"])]:
+    """main.TrainerRank.run on a trainer rank (catches GAP waiting for the whole batch, the barrier streaming, a
+    publish before the optimizer step or before the step's end)."""
+    for gap_on, want in [(True, ["publish 0", "recv 0", "train 0", "recv 1", "train 1", "step", "publish 1", "end"]),
+                         (False, ["publish 0", "recv 0", "recv 1", "train 0", "train 1", "step", "publish 1", "end"])]:
         events = []
 
         def arrivals(step):
             for i in range(2):
                 events.append(f"recv {i}")
                 yield _numbered_fragment(i, 1)
-        side = TrainerSide(fragments_of=arrivals, train=lambda f: events.append(f"train {f.first_group}"),
-                               optimizer_step=lambda step: events.append("step") or {}, version=lambda: 0,
-                               publish=nothing, end_step=nothing, bounds=[(0, 2)])
-        trainer_loop(side, range(1), streaming)
-        assert events == want
+        books = types.SimpleNamespace(optimizer_step=lambda step: events.append("step") or {},
+                                      update=lambda step: events.append("update"),
+                                      end_step=lambda step, metrics: events.append("end"))
+        trainer = types.SimpleNamespace(current_version=lambda: events.count("step"))
+        cfg = config.Config(prompts_per_step=2, group_size=2, updates_per_batch=1, gap=gap_on)
+        rank = trainer_rank_of(cfg, trainer, books, groups=comm.Groups(1, 2, [0], [1]))
+        rank.fragments, rank.train = arrivals, lambda f: events.append(f"train {f.first_group}")
+        rank.publisher = types.SimpleNamespace(publish=lambda version: events.append(f"publish {version}"),
+                                               stop=lambda: events.append("stop"))
+        rank.run()
+        assert events == [*want, "stop"]
 
 
 def test_dealt_fragments_give_each_announcement_to_exactly_one_trainer():

@@ -4,6 +4,7 @@ spans from 3 spawned gloo ranks."""
 import datetime
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -268,3 +269,23 @@ def test_gather_from_every_rank(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert len(summary["busy_fraction"]) == world_size
     assert 0.0 <= summary["bubble_fraction"] < 1.0
+
+
+def test_steps_window_keeps_the_spans_of_a_few_steps_clipped_to_them():
+    """By hand: step ends marked at 1, 2, 3, 4 (two ranks, rank 1 a little later). Steps 1-2 run from step 0's
+    earliest end (1.0) to step 2's latest (3.1). Catches the window taken from the wrong marks (a step late or
+    early), spans outside it kept, spans crossing it left unclipped, a run too short not reported."""
+    def span(rank, kind, start, end, **args):
+        return {"rank": rank, "role": "trainer", "kind": kind, "start": start, "end": end, "args": args}
+    marks = [span(r, tr.STEP_MARK_KIND, t + 0.1 * r, t + 0.1 * r, step=s) for r in (0, 1)
+             for s, t in enumerate([1.0, 2.0, 3.0, 4.0])]
+    work = [span(0, "train", 0.2, 0.9), span(0, "train", 0.5, 1.5), span(1, "generate", 2.5, 3.5),
+            span(1, "recv", 3.5, 3.9)]
+    got = tr.steps_window(work + marks, 1, 2)
+    bars = sorted((s["rank"], s["kind"], s["start"], s["end"]) for s in got if s["kind"] != tr.STEP_MARK_KIND)
+    assert bars == [(0, "train", 1.0, 1.5), (1, "generate", 2.5, 3.1)]
+    assert sorted(s["start"] for s in got if s["kind"] == tr.STEP_MARK_KIND) == pytest.approx([1.0, 1.1, 2.0, 2.1,
+                                                                                             3.0, 3.1])
+    assert tr.steps_window(work + marks, 3, 2) is None  # no end of step 4
+    tr.write_timeline_png(got, tmp := os.path.join(tempfile.mkdtemp(), "few.png"))
+    assert os.path.getsize(tmp) > 0

@@ -46,7 +46,7 @@ from collections import defaultdict
 if __package__ in (None, ""):  # run as `python tools/X.py`: make the project root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import colocated  # noqa: E402  (the colocated baseline's static shares, as the runtime cuts them)
+import grpo  # noqa: E402  (the colocated baseline's static shares, as the runtime cuts them)
 import config  # noqa: E402  (config.MODES owns the mechanism presets)
 import tag  # noqa: E402  (the runtime's TAG predictor: the simulated leader decides as the real one)
 from infra.tracing import union_length  # noqa: E402
@@ -120,7 +120,7 @@ def _colocated(sim, mode, costs, cluster, wl):
         speed = cluster.speed(rank)
         # the runtime's own shares and generation calls: a contiguous 1/P of every minibatch, generated
         # fragment_groups groups per call, trained per (minibatch, call) piece
-        calls = colocated.generation_batches(colocated.static_claims(wl.bounds, rank, P, 0), wl.fragment_groups)
+        calls = grpo.generation_batches(grpo.static_claims(wl.bounds, rank, P), wl.fragment_groups)
         gen = sum(generation_s(costs, sum(c for _, c in call) * G, wl.num_steps, speed) for call in calls)
         shares = [[c for call in calls for f, c in call if lo <= f < hi] for lo, hi in wl.bounds]
         for step in range(wl.steps):

@@ -20,22 +20,22 @@ Needs one rollout rank (R = 1) and, with --tcss, --max-stale-fragments >= 1.
 import os
 import time
 
-import tag
 import async_policy
-import wiring
+import tag
+from infra import bookkeeping
 
 GEN_ROLLOUT_S, GEN_TRAINER_S, TRAIN_S, PUBLISH_S = 0.5, 0.1, 0.01, 0.05
 NO_AHEAD = {int(s) for s in os.environ.get("DIGENRL_SCRIPTED_NO_AHEAD", "").split(",") if s.strip()}
-_tcss = {"on": False}  # whether the leader's run has TCSS on (read where main.py builds TAG's Assistant)
+_tcss = {"on": False}  # whether the leader's run has TCSS on (read from its config when its bookkeeping is built)
 
 _budget_take = async_policy.StaleBudget.take
 _consider = tag.Assistant.consider
-_assistant = wiring.assistant
+_bookkeeping_init = bookkeeping.Bookkeeping.__init__
 
 
-def _scripted_assistant(cfg, *args, **kwargs):
+def _bookkeeping_reads_the_config(self, cfg, *args, **kwargs):  # every trainer builds one, before TAG's Assistant
     _tcss["on"] = bool(cfg.use_tcss) and (cfg.max_stale_fragments or 0) > 0
-    return _assistant(cfg, *args, **kwargs)
+    _bookkeeping_init(self, cfg, *args, **kwargs)
 
 
 def _take(self, step):
@@ -57,5 +57,5 @@ def _scripted_consider(self, step, groups_done, before_publish=False):
 
 
 async_policy.StaleBudget.take = _take
-wiring.assistant = _scripted_assistant
+bookkeeping.Bookkeeping.__init__ = _bookkeeping_reads_the_config
 tag.Assistant.consider = _scripted_consider
