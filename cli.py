@@ -386,7 +386,8 @@ def _check_inputs(c: config.Config, family, world_size: int) -> None:
     """--rank-speed, rewards and prompts (a remote reward server gets one request), --pretrained,
     the run dir."""
     emulate.check_rank_speed(c.rank_speed, world_size)
-    rewards.check_reward_options(c.reward, rewards.RewardOptions.of(c))
+    options = rewards.RewardOptions.of(c)
+    rewards.check_reward_options(c.reward, options)
     source = rewards.prompt_source(c)
     if c.eval_every and c.eval_split == "test" and not source.eval:
         _bad(f"--eval-split test, but the prompts ({source.kind}) have no held-out split: "
@@ -394,9 +395,9 @@ def _check_inputs(c: config.Config, family, world_size: int) -> None:
              "train+test (the training prompts from held-out noises)")
     rewards.check_prompts(c.reward, source.train, "the training prompts")
     rewards.check_prompts(c.reward, source.eval, "the evaluation prompts")
-    rewards.check_custom_rewards(c.reward, rewards.reward_probe(c, source))
-    rewards.check_remote_servers(c.reward, rewards.RewardOptions.of(c),  # one request each
-                                 rewards.reward_probe(c, source))
+    probe = rewards.reward_probe(c, source)  # built once: at Wan's native size, 316 MB of pixels
+    rewards.check_custom_rewards(c.reward, probe)
+    rewards.check_remote_servers(c.reward, options, probe)  # one request each
     if c.pretrained is not None:
         family.check_pretrained(models.resolve_pretrained(c.model, c.pretrained))
     if c.resume is None:
