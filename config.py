@@ -1,8 +1,9 @@
-"""The one Config dataclass (every field has a help string stating its trade-off), argparse, and
-validation.
+"""The options: the one Config dataclass (every field has a help string stating its trade-off),
+the modes, the command-line parser built from the fields, and `resolve` (the defaults a mode, a
+family or a preset fills in).
 
-Validation runs before any rank is spawned: a bad value exits with a message naming it and what is
-allowed. `python main.py --help` prints every field.
+Checking a Config lives in cli.py (`cli.validate`: before any rank is spawned, a bad value exits
+with a message naming it and what is allowed). `python main.py --help` prints every field.
 """
 
 
@@ -10,15 +11,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import math
-import os
-import re
+import sys
 from typing import Optional
 
-import gap
+import models
 from flowgrpo import presets
-from infra.saved_config import renamed_fields
+from infra import saved_config
+from models import lora
 
 MODES = {
     # mode: (placement, gap, tsp, tag, tcss)
@@ -441,9 +440,6 @@ def _is_number(text: str) -> bool:
 def parse_args(argv=None) -> Config:
     """Flags, on top of --resume RUN's or --config FILE's saved configuration if given
     (infra/saved_config.py)."""
-    import sys
-
-    from infra import saved_config
     parser = build_parser()
     argv = negative_numbers_joined(parser, list(sys.argv[1:] if argv is None else argv))
     return saved_config.merge(parser, argv, Config, resolve)
@@ -472,7 +468,7 @@ def resolve(cfg: Config, world: int | None = None) -> Config:
         for name in MECHANISM_FIELDS[1:]:
             setattr(c, name, bool(getattr(c, name)))
     if c.model is None:
-        c.model = family_of_pipeline(c.pretrained) or "flux"
+        c.model = models.family_of_pipeline(c.pretrained) or "flux"
     if c.lora is None:
         c.lora = c.pretrained is not None or c.init_lora is not None
     preset = presets.for_run(c.model, c.pretrained is not None, c.algo, c.lora)
@@ -488,12 +484,10 @@ def resolve(cfg: Config, world: int | None = None) -> Config:
         # the published batch where it divides the fragment, else its largest divisor below it
         c.sample_batch_size = max(d for d in range(1, c.sample_batch_size + 1) if call % d == 0)
     if c.lora and (c.lora_rank is None or c.lora_alpha is None):
-        from models import lora
         rank, alpha = lora.default_rank_alpha(c.model, c.init_lora)
         c.lora_rank = rank if c.lora_rank is None else c.lora_rank
         c.lora_alpha = alpha if c.lora_alpha is None else c.lora_alpha
     if c.lora_targets is None:
-        from models import lora
         c.lora_targets = lora.default_targets(c.init_lora) if c.lora else "flow_grpo"
     if c.tsp_pack is None:
         c.tsp_pack = 4 if c.pretrained is not None else 20
@@ -525,330 +519,6 @@ def _resolve_flow_grpo(c: Config) -> None:
         c.eval_split = "test" if c.pretrained is not None else "train+test"
 
 
-PIPELINE_FAMILIES = {"FluxPipeline": "flux", "QwenImagePipeline": "qwenimage", "WanPipeline": "wan",
-                     "HunyuanVideoPipeline": "hunyuanvideo", "StableDiffusion3Pipeline": "sd3"}
-
-
-def family_of_pipeline(path: str | None) -> str | None:
-    """The family whose pipeline a local diffusers directory's model_index.json names (None if
-    unknown or remote)."""
-    index = os.path.join(path, "model_index.json") if path else ""
-    if not os.path.isfile(index):
-        return None
-    try:
-        with open(index) as f:
-            return PIPELINE_FAMILIES.get(json.load(f).get("_class_name"))
-    except (OSError, ValueError, AttributeError):
-        return None
-
-
-def _bad(message: str):
-    raise ValueError(message)
-
-
-def validate(c: Config, world_size: int) -> None:
-    """Raise ValueError naming the first bad value. Cheap checks only; runs before spawning
-    ranks."""
-    import models
-
-    family = models.get_family(c.model)
-    family.check_frames(c.frames)
-    _check_numbers(c)
-    _check_choices(c)
-    _check_advantages(c)
-    _check_batches(c)
-    _check_model(c, family)
-    _check_logging(c)
-    _check_placement(c, world_size)
-    _check_inputs(c, family, world_size)
-
-
-MAX_LR = 1.0  # AdamW and SGD steps beyond the weights' own scale are no training
-MIN_TIMEOUT_S = 1.0  # liveness beats every timeout / 5 s: below ~1 s a GIL pause reads as a freeze
-MAX_SIDE = 4096  # pixels: native sizes are at most 1280 (a 65536 px reward probe was 96 GiB)
-MAX_FRAMES = 1025  # video frames (Wan 81, HunyuanVideo 129 at most in their releases)
-RANKS_PER_CORE = 8  # self-spawned ranks are processes on this host, each with its own model
-RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,199}")
-
-
-def _check_numbers(c: Config) -> None:
-    for name in (("steps", "prompts_per_step", "group_size", "fragment_groups", "tsp_pack",
-                  "threads", "keep_checkpoints", "nproc", "eval_seeds", "text_len")
-                 + (("lora_rank",) if c.lora else ())):
-        if getattr(c, name) < 1:
-            _bad(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(c, name)}")
-    cores = os.cpu_count() or 1
-    if c.threads > cores:
-        _bad(f"--threads {c.threads}: at most the {cores} CPU cores of this host (torch threads "
-             "per rank)")
-    if c.nproc > RANKS_PER_CORE * cores:
-        _bad(f"--nproc {c.nproc}: at most {RANKS_PER_CORE * cores} ranks ({RANKS_PER_CORE} per CPU "
-             "core of this host) are spawned here; for more ranks use torchrun on several hosts")
-    if not (math.isfinite(c.weight_decay) and c.weight_decay >= 0):
-        _bad(f"--weight-decay must be a finite number >= 0, got {c.weight_decay}")
-    if c.lr > MAX_LR:
-        _bad(f"--lr must be a positive number <= {MAX_LR:g}, got {c.lr}")
-    # every seed derived from it stays an int64 and below the held-out evaluation seeds
-    largest = min(gap.largest_seed(c.steps, c.prompts_per_step * c.group_size),
-                  SEED_LIMIT - 1)
-    if not 0 <= c.seed <= largest:
-        _bad(f"--seed must be an integer in [0, {largest}] (every seed derived from it stays an "
-             f"int64 over {c.steps} steps and below the held-out evaluation seeds), "
-             f"got {c.seed}")
-    for name in ("resolution", "width"):
-        if getattr(c, name) > MAX_SIDE:
-            _bad(f"--{name} must be at most {MAX_SIDE} pixels, got {getattr(c, name)}")
-    if c.frames > MAX_FRAMES:
-        _bad(f"--frames must be at most {MAX_FRAMES}, got {c.frames}")
-    if c.group_size < 2:
-        _bad("--group-size must be >= 2 (advantages compare samples within a group), "
-             f"got {c.group_size}")
-    if c.num_steps < 2:
-        _bad(f"--num-steps must be >= 2 sampling steps, got {c.num_steps}")
-    if not 0 < c.timestep_fraction <= 1:
-        _bad(f"--timestep-fraction must be in (0, 1], got {c.timestep_fraction}")
-    from rollout import SamplingConfig, num_train_timesteps
-    num_train_timesteps(SamplingConfig(num_steps=c.num_steps, noise_level=c.noise_level,
-                                       timestep_fraction=c.timestep_fraction,
-                                       algo=c.algo))  # T_train >= 1
-    for name in ("lr", "clip_range", "max_grad_norm", "timeout_s", "adv_clip", "stop_grace_s",
-                 *(["excused_timeout_s"] if c.excused_timeout_s is not None else [])):
-        value = getattr(c, name)
-        if not (math.isfinite(value) and value > 0):
-            _bad(f"--{name.replace('_', '-')} must be a positive number, got {value}")
-    if c.timeout_s < MIN_TIMEOUT_S:
-        _bad(f"--timeout-s must be at least {MIN_TIMEOUT_S:g} s (it must exceed one forward or "
-             f"pack), got {c.timeout_s}")
-    if not (math.isfinite(c.noise_level) and c.noise_level > 0):
-        _bad(f"--noise-level must be > 0 for training (the SDE needs noise), got {c.noise_level}")
-    if not 1 <= c.updates_per_batch <= c.prompts_per_step:
-        _bad(f"--updates-per-batch must be between 1 and --prompts-per-step {c.prompts_per_step} "
-             f"(a minibatch is whole groups), got {c.updates_per_batch}")
-    if c.prompt_cache_size < 0:
-        _bad(f"--prompt-cache-size must be >= 0 (0 = no cache), got {c.prompt_cache_size}")
-    if not 0 <= c.ema_decay < 1 or c.ema_every < 1:
-        _bad(f"--ema-decay {c.ema_decay} must be in [0, 1) and --ema-every {c.ema_every} >= 1")
-    if c.eval_num_steps is not None and c.eval_num_steps < 1:
-        _bad(f"--eval-num-steps {c.eval_num_steps} must be >= 1 (or unset: --num-steps)")
-    if c.eval_guidance is not None and not c.eval_guidance >= 0:
-        _bad(f"--eval-guidance {c.eval_guidance} must be >= 0 (or unset: the training guidance)")
-    if (c.beta < 0 or c.max_stale_fragments < 0 or c.eval_every < 0 or c.save_every < 0
-            or c.max_bad_steps < 1):
-        _bad("--beta, --max-stale-fragments, --eval-every and --save-every must be >= 0 and "
-             "--max-bad-steps >= 1")
-
-
-def _check_choices(c: Config) -> None:
-    if c.optimizer not in ("adamw", "sgd"):
-        _bad(f"--optimizer {c.optimizer!r} is not one of adamw, sgd")
-    if c.algo not in ("flow_grpo", "dance_grpo"):
-        _bad(f"--algo {c.algo!r} is not one of flow_grpo, dance_grpo")
-    if c.backend not in ("auto", "nccl", "gloo"):
-        _bad(f"--backend {c.backend!r} is not one of auto, nccl, gloo")
-    if c.backend == "nccl" and c.device == "cpu":
-        _bad("--backend nccl needs CUDA tensors; with --device cpu use --backend gloo (or auto)")
-    if c.device not in ("auto", "cpu", "cuda"):
-        _bad(f"--device {c.device!r} is not one of auto, cpu, cuda")
-    if c.dtype not in ("auto", "float32", "bfloat16", "fp16-autocast"):
-        _bad(f"--dtype {c.dtype!r} is not one of auto, float32, bfloat16, fp16-autocast")
-    if c.device == "cuda":
-        import torch
-        if not torch.cuda.is_available():
-            _bad("--device cuda was asked for but torch sees no CUDA device")
-
-
-def _check_advantages(c: Config) -> None:
-    if c.global_std and c.per_prompt_stat_tracking is not True:
-        state = ("unset (per-group statistics)" if c.per_prompt_stat_tracking is None
-                 else "off (the std is the batch's already)")
-        _bad(f"--global-std needs --per-prompt-stat-tracking (Flow-GRPO's tracker option); "
-             f"it is {state}")
-    if not (math.isfinite(c.collapsed_std) and c.collapsed_std >= 0):
-        _bad(f"--collapsed-std must be a number >= 0 (0 = only all-equal groups), "
-             f"got {c.collapsed_std}")
-    if c.collapsed_groups not in ("drop", "floor"):
-        _bad(f"--collapsed-groups {c.collapsed_groups!r} is not one of drop, floor")
-    if c.collapsed_groups == "floor" and c.collapsed_std == 0:
-        _bad("--collapsed-groups floor with --collapsed-std 0 floors nothing: give the floor, "
-             "e.g. --collapsed-std 0.01")
-
-
-SEED_LIMIT = 2**22  # trajectory seeds stay below rollout.EVAL_SEED (tests/test_evaluation.py)
-STEPS_LIMIT = 2**28
-
-
-def _check_batches(c: Config) -> None:
-    """The Flow-GRPO training-step choices, and the sample and evaluation batch sizes."""
-    import grpo
-    for name, value, allowed in (("kl-scale", c.kl_scale, grpo.KL_SCALES),
-                                 ("old-log-prob", c.old_log_prob, ("rollout", "fresh")),
-                                 ("minibatches", c.minibatches, ("samples", "groups")),
-                                 ("eval-split", c.eval_split, ("test", "train+test"))):
-        if value not in allowed:
-            _bad(f"--{name} {value!r} is not one of {', '.join(allowed)}")
-    if c.drop_zero_advantage and (c.minibatches != "samples" or c.per_prompt_stat_tracking is None):
-        _bad("--drop-zero-advantage keeps the samples of nonzero batch advantage and re-divides "
-             "them into the minibatches: it needs --minibatches samples and batch statistics "
-             f"(--[no-]per-prompt-stat-tracking); got --minibatches {c.minibatches}, "
-             f"--per-prompt-stat-tracking {c.per_prompt_stat_tracking}")
-    if not c.steps < STEPS_LIMIT:
-        _bad(f"--steps {c.steps} must be below {STEPS_LIMIT}: training noise seeds then never "
-             "reach the held-out evaluation ones")
-    if c.ema_repeats < 1 or c.weight_decay < 0:
-        _bad(f"--ema-repeats {c.ema_repeats} must be >= 1 and --weight-decay {c.weight_decay} "
-             ">= 0")
-    for name in ("sample_batch_size", "eval_batch_size"):
-        if getattr(c, name) < 0:
-            _bad(f"--{name.replace('_', '-')} must be >= 0 (0 = all at once), got "
-                 f"{getattr(c, name)}")
-    call = c.fragment_groups * c.group_size  # the trajectories a rollout rank generates per call
-    if c.sample_batch_size and call % c.sample_batch_size:
-        fits = [d for d in range(1, call + 1) if call % d == 0]
-        _bad(f"--sample-batch-size {c.sample_batch_size} does not divide a fragment's {call} "
-             f"trajectories (--fragment-groups {c.fragment_groups} x --group-size {c.group_size}): "
-             f"every forward would not be full; use one of {fits}, or change --fragment-groups")
-
-
-def _check_model(c: Config, family) -> None:
-    import models
-
-    from models import lora
-    lora.check_targets_spec(c.lora_targets)
-    if c.eval_prompts < 0:
-        _bad(f"--eval-prompts must be >= 0 (0 = all), got {c.eval_prompts}")
-    if c.init_lora is not None and c.resume is None:  # a resumed run starts from its checkpoint
-        path = (models.resolve_pretrained(c.model, c.pretrained) if c.pretrained
-                else models.tiny_pipeline_path(c.model, c.cache_dir))
-        lora.check_init_lora(c.init_lora, c.lora, c.lora_rank, c.lora_alpha, family, path,
-                             c.lora_targets)
-    if c.resolution and (c.resolution < 16 or c.resolution % 16):
-        _bad(f"--resolution must be a multiple of 16 (>= 16), got {c.resolution}")
-    if not c.train_cfg and not family.uses_true_cfg:
-        _bad(f"--no-train-cfg: {c.model} is guidance-distilled (one branch, guidance embedded), so "
-             "there is no CFG to drop in training; it applies to sd3, qwenimage and wan")
-    if c.width and (c.width < 16 or c.width % 16):
-        _bad(f"--width must be a multiple of 16 (>= 16), got {c.width}")
-    if c.width and c.width != (c.resolution or family.tiny_resolution) and not family.is_video:
-        _bad(f"--width {c.width} differs from the height {c.resolution or family.tiny_resolution}: "
-             f"{c.model} images are square here (use --resolution alone)")
-    named = family_of_pipeline(c.pretrained)
-    if named is not None and named != c.model:
-        _bad(f"--model {c.model} but --pretrained {c.pretrained!r} is a {named} pipeline (its "
-             f"model_index.json); pass --model {named} or leave --model out")
-
-
-def _check_logging(c: Config) -> None:
-    import importlib.util
-    for flag in ("tensorboard", "wandb"):  # optional integrations: flag = package
-        if getattr(c, flag) and importlib.util.find_spec(flag) is None:
-            _bad(f"--{flag} needs the {flag} package: pip install -r requirements-extras.txt")
-    if c.wandb:
-        from infra.tracking import check_wandb_login
-        check_wandb_login()
-
-
-def _check_placement(c: Config, world_size: int) -> None:
-    if c.prompts_per_step % c.fragment_groups:
-        _bad(f"--fragment-groups {c.fragment_groups} must divide --prompts-per-step "
-             f"{c.prompts_per_step} (a fragment is a whole number of groups and a step a whole "
-             "number of fragments)")
-    if c.placement not in ("colocated", "disaggregated"):
-        _bad(f"--placement {c.placement!r} is not one of colocated, disaggregated")
-    if c.placement == "disaggregated":
-        if world_size < 2:
-            _bad("the disaggregated placement needs at least 2 ranks (one rollout, one trainer); "
-                 f"got {world_size}")
-        if not 1 <= c.rollout_ranks < world_size:
-            _bad(f"--rollout-ranks {c.rollout_ranks} must be between 1 and {world_size - 1} for "
-                 f"{world_size} ranks (at least one rank must train)")
-    elif any((c.gap, c.tsp, c.tag, c.use_tcss)):
-        _bad("--gap, --tsp, --tag and --tcss need --placement disaggregated (colocated ranks do "
-             "both jobs)")
-    if c.fsdp and not c.tsp:
-        _bad("--fsdp needs --tsp: FSDP requires every trainer to run the same number of passes, "
-             "which only TSP guarantees")
-    trainers = world_size - c.rollout_ranks
-    if c.fsdp and c.tag and c.fragment_groups < trainers:
-        _bad(f"--fsdp with --tag needs --fragment-groups >= the {trainers} trainer ranks "
-             f"(got {c.fragment_groups}): every FSDP rank must run the same forwards, so each "
-             "trainer generates at least one group of a TAG fragment")
-    if c.tag and not (c.gap and c.tsp):
-        _bad("--tag needs --gap and --tsp (the trainer group generates while it waits for streamed "
-             "fragments, then trains them spread over all trainers)")
-
-
-def _check_inputs(c: Config, family, world_size: int) -> None:
-    """--rank-speed, rewards and prompts (a remote reward server gets one request), --pretrained,
-    the run dir."""
-    import models
-    import rewards
-
-    from infra import emulate
-    emulate.check_rank_speed(c.rank_speed, world_size)
-    rewards.check_reward_options(c.reward, reward_options(c))
-    source = prompt_source(c)
-    if c.eval_every and c.eval_split == "test" and not source.eval:
-        _bad(f"--eval-split test, but the prompts ({source.kind}) have no held-out split: "
-             f"{source.note or 'give a dataset folder with a test split'}; or --eval-split "
-             "train+test (the training prompts from held-out noises)")
-    rewards.check_prompts(c.reward, source.train, "the training prompts")
-    rewards.check_prompts(c.reward, source.eval, "the evaluation prompts")
-    rewards.check_custom_rewards(c.reward, reward_probe(c, source))
-    rewards.check_remote_servers(c.reward, reward_options(c),  # one request each
-                                 reward_probe(c, source))
-    if c.pretrained is not None:
-        family.check_pretrained(models.resolve_pretrained(c.model, c.pretrained))
-    if c.resume is None:
-        check_run_name(c.run_name)
-    if c.resume is not None:
-        from infra import rundir as runio
-        runio.check_resume(c.resume, c)
-    elif c.run_name is not None:
-        # a new run must not overwrite one (main.py checks again under the run lock)
-        from infra.runlock import check_new_run
-        check_new_run(os.path.join(c.out_dir, c.run_name))
-
-
-def check_run_name(name: str | None) -> None:
-    if name is not None and not RUN_NAME.fullmatch(name):
-        _bad(f"--run-name {name!r} must be a plain name (letters, digits, '.', '_', '+', '-'; not "
-             "starting with '.' or '-'): the run directory is --out-dir/NAME, never outside it")
-
-
-def reward_options(c: Config):
-    import rewards
-    return rewards.RewardOptions(clip_path=c.clip_path, pickscore_path=c.pickscore_path,
-                                 pickscore_processor_path=c.pickscore_processor_path,
-                                 remote_url=c.remote_url, remote_timeout_s=c.remote_timeout_s,
-                                 remote_retries=c.remote_retries, remote_protocol=c.remote_protocol,
-                                 remote_score_key=c.remote_score_key,
-                                 remote_batch_size=c.remote_batch_size,
-                                 remote_frames=c.remote_frames)
-
-
-def prompt_source(c: Config):
-    """Train and eval prompts with their metadata (infra/prompts.py); eval cut to --eval-prompts."""
-    import rewards
-    from infra.prompts import load_prompt_source
-    source = load_prompt_source(c.prompt_file, rewards.color_prompts("train"),
-                                rewards.color_prompts("eval"))
-    if c.eval_prompts:
-        source.eval, source.eval_metadata = (source.eval[:c.eval_prompts],
-                                             source.eval_metadata[:c.eval_prompts])
-    return source
-
-
-def reward_probe(c: Config, source):
-    """The tiny batch a custom reward is dry-called on: 2 images (videos) of the run's size, its
-    first prompts."""
-    import models
-    import rewards
-    family = models.get_family(c.model)
-    size = c.resolution or family.tiny_resolution
-    frames = (c.frames or family.tiny_frames) if family.is_video else 0
-    return rewards.probe_batch(source.train, source.train_metadata, size, c.width or size, frames)
-
-
 def from_dict(d: dict) -> Config:
     names = {f.name for f in dataclasses.fields(Config)}
-    return Config(**{k: v for k, v in renamed_fields(d).items() if k in names})
+    return Config(**{k: v for k, v in saved_config.renamed_fields(d).items() if k in names})

@@ -111,9 +111,9 @@ def run_rank(cfg, rank: int, world: int, local_rank: int, master: tuple, agent_s
     tracer = Tracer(rank, groups.role, enabled=cfg.trace, progress=job.progress)
     job.phase("align clocks", tracer.align, groups.world_data)
     policy = runtime.load_policy(cfg, device, dtype, groups, job.progress)
-    source = config_lib.prompt_source(cfg)  # train and held-out prompts, their metadata
+    source = rewards.prompt_source(cfg)  # train and held-out prompts, their metadata
     reward_fn = job.excused("build the reward", rewards.build_reward, cfg.reward,  # loads, dry call
-                            config_lib.reward_options(cfg), config_lib.reward_probe(cfg, source))
+                            rewards.RewardOptions.of(cfg), rewards.reward_probe(cfg, source))
     reward_fn.prompt_metadata = source.train_metadata  # generation passes prompt ids
     runtime.freeze_heap()
     queue = gap.FragmentQueue(job.prefixed("queue"), cfg.prompts_per_step,

@@ -19,7 +19,7 @@
   refused before it is read.
 - A prompt holding a control character other than tab (NUL, escape, form feed, ...; a binary file that happens to
   decode as UTF-8) is refused naming the file, the line and the character.
-Every problem is a ValueError naming the path and what is expected; config.validate calls this before spawning.
+Every problem is a ValueError naming the path and what is expected; cli.validate calls this before spawning.
 """
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import json
 import os
 import re
 import shutil
@@ -43,6 +44,20 @@ def get_family(name: str) -> Family:
         raise ValueError(f"unknown --model {name!r}; known models: {', '.join(sorted(FAMILIES))}")
     return FAMILIES[name]
 
+
+
+def family_of_pipeline(path: str | None) -> str | None:
+    """The family whose pipeline a local diffusers directory's model_index.json names (None if
+    unknown or remote): what --model defaults to with --pretrained."""
+    index = os.path.join(path, "model_index.json") if path else ""
+    if not os.path.isfile(index):
+        return None
+    try:
+        with open(index) as f:
+            named = json.load(f).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return next((name for name, family in FAMILIES.items() if family.pipeline_class_name == named), None)
 
 def default_cache_dir() -> str:
     return os.environ.get("DIGENRL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "digenrl"))
@@ -207,7 +222,7 @@ def load(name: str, path: str, device="cpu", dtype=torch.float32, height: int | 
          guidance: float | None = None, prompt_cache_size: int = 64) -> Policy:
     """Load a pipeline directory or cached Hub id (tiny or real weights) through the family's `from_pretrained`."""
     family = get_family(name)
-    path = resolve_pretrained(name, path, local_only=True)  # the launcher fetched it (config.validate)
+    path = resolve_pretrained(name, path, local_only=True)  # the launcher fetched it (cli.validate)
     family.check_pretrained(path)
     family.check_frames(frames)
     _quiet_libraries()

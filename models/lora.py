@@ -228,7 +228,7 @@ def load_init_lora(transformer, path: str) -> LoraFile:
     return lora
 
 
-# --- before any rank starts (config.resolve / config.validate) ------------------------------------
+# --- before any rank starts (config.resolve / cli.validate) ------------------------------------
 def default_rank_alpha(family_name: str, init_lora: str | None = None) -> tuple[int, float]:
     """--lora-rank / --lora-alpha when unset: --init-lora's (if readable), else the family's Flow-GRPO preset."""
     if init_lora is not None:
@@ -236,19 +236,19 @@ def default_rank_alpha(family_name: str, init_lora: str | None = None) -> tuple[
             lora = read_lora_file(init_lora, tensors=False)
             return lora.rank, lora.alpha
         except ValueError:
-            pass  # config.validate reports the unreadable file
+            pass  # cli.validate reports the unreadable file
     p = preset(family_name)
     return p.rank, p.alpha
 
 
 def default_targets(init_lora: str | None) -> str:
     """--lora-targets when unset: --init-lora's target_modules as a comma list (Flow-GRPO's peft folders list them in
-    adapter_config.json), else the flow_grpo preset (config.validate then checks the file against it)."""
+    adapter_config.json), else the flow_grpo preset (cli.validate then checks the file against it)."""
     if init_lora is not None:
         try:
             lora = read_lora_file(init_lora, tensors=False)
         except ValueError:
-            return "flow_grpo"  # config.validate reports the unreadable file
+            return "flow_grpo"  # cli.validate reports the unreadable file
         if lora.target_modules and all(re.fullmatch(r"[A-Za-z_][\w]*(\.\w+)*", t) for t in lora.target_modules):
             return ",".join(lora.target_modules)
     return "flow_grpo"

@@ -51,6 +51,8 @@ import torch
 from einops import rearrange
 from PIL import Image
 
+import models
+from infra.prompts import PromptSource, load_prompt_source
 from rewards.checked import CheckedReward, CombinedReward, probe_batch, takes_metadata  # noqa: F401
 from rewards.custom import CUSTOM_FORMS, custom_metric_name, is_custom, load_custom_reward, split_custom
 from rewards.remote import PROTOCOLS, RemoteRewardError, remote_scorer  # noqa: F401  (re-exported)
@@ -77,6 +79,15 @@ class RewardOptions:
     remote_frames: str = "all"  # videos: "all" frames scored as images and averaged, or only the "middle" one
     remote_name: str = "remote"  # which remote reward these settings are for: "remote" or "remote:NAME"
     device: str = "cpu"  # where model-based rewards (CLIP) run
+
+    @classmethod
+    def of(cls, cfg) -> RewardOptions:
+        """A run's reward options, from its config.Config (the fields of the same names)."""
+        return cls(clip_path=cfg.clip_path, pickscore_path=cfg.pickscore_path,
+                   pickscore_processor_path=cfg.pickscore_processor_path, remote_url=cfg.remote_url,
+                   remote_timeout_s=cfg.remote_timeout_s, remote_retries=cfg.remote_retries,
+                   remote_protocol=cfg.remote_protocol, remote_score_key=cfg.remote_score_key,
+                   remote_batch_size=cfg.remote_batch_size, remote_frames=cfg.remote_frames)
 
 
 # ---------------------------------------------------------------- registry and video handling
@@ -487,3 +498,24 @@ def build_reward(spec: str, options: RewardOptions | None = None, probe=None) ->
     if probe is not None:
         reward.probe(*probe)
     return reward
+
+
+# ---------------------------------------------------------------- a run's prompts and the reward's dry call
+
+def prompt_source(cfg) -> PromptSource:
+    """A run's train and eval prompts with their metadata: --prompt-file's (infra/prompts.py), else
+    the colour task's; eval cut to --eval-prompts."""
+    source = load_prompt_source(cfg.prompt_file, color_prompts("train"), color_prompts("eval"))
+    if cfg.eval_prompts:
+        source.eval, source.eval_metadata = (source.eval[:cfg.eval_prompts],
+                                             source.eval_metadata[:cfg.eval_prompts])
+    return source
+
+
+def reward_probe(cfg, source: PromptSource):
+    """The tiny batch a run's custom rewards are dry-called on: 2 images (videos) of the run's size,
+    its first prompts."""
+    family = models.get_family(cfg.model)
+    size = cfg.resolution or family.tiny_resolution
+    frames = (cfg.frames or family.tiny_frames) if family.is_video else 0
+    return probe_batch(source.train, source.train_metadata, size, cfg.width or size, frames)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from flowgrpo import batch_rewards
+import cli
 import config
 import comm
 import gap
@@ -209,7 +210,7 @@ def test_the_guard_drops_or_floors_collapsed_groups(per_prompt):
 
 
 def test_validation_names_the_bad_value():
-    check = config._check_advantages
+    check = cli._check_advantages
     with pytest.raises(ValueError, match=r"--global-std needs --per-prompt-stat-tracking.*unset"):
         check(_cfg(global_std=True))
     with pytest.raises(ValueError, match=r"--global-std needs .*off"):

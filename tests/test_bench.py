@@ -4,6 +4,7 @@ import json
 import pytest
 
 from tools import bench
+import cli
 import config as config_lib
 from tools import simulate
 from infra import tracing as tr
@@ -215,7 +216,7 @@ def test_rank_speed_parsing_and_pacing(monkeypatch):
 
 def test_rank_speed_is_validated_before_spawning(tmp_path):
     with pytest.raises(ValueError, match="rank 5 does not exist"):
-        config_lib.validate(config_lib.resolve(config_lib.parse_args(["--rank-speed", "5=0.5"])), 2)
+        cli.validate(config_lib.resolve(config_lib.parse_args(["--rank-speed", "5=0.5"])), 2)
     out = tmp_path / "bench"
     with pytest.raises(SystemExit, match="rank 9 does not exist"):
         bench.main(["--quick", "--hetero", "9=0.5", "--out", str(out)])

@@ -141,9 +141,9 @@ def test_a_reward_returning_the_wrong_thing_is_refused_before_spawn(function, me
 
 
 def test_video_families_dry_call_custom_rewards_on_videos(reward_file):
-    import config
     import cli
+    import rewards
 
     cfg = cli.prepare(["--model", "wan", "--reward", f"{reward_file}:plain"])  # the dry call passed on videos
-    images, prompts, metadata = config.reward_probe(cfg, config.prompt_source(cfg))
+    images, prompts, metadata = rewards.reward_probe(cfg, rewards.prompt_source(cfg))
     assert images.shape == (2, 5, 3, 32, 32) and prompts == COLOUR[0][:2] and metadata == [{}, {}]

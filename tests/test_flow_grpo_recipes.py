@@ -17,6 +17,7 @@ import os
 
 import pytest
 
+import cli
 import config
 import models
 
@@ -127,7 +128,7 @@ def test_recipe_loads_with_the_users_paths_and_validates(name, tiny_cache, tmp_p
         extra = ["--remote-url", url] if recipe["reward"] == "remote" else ["--pickscore-path", str(pickscore)]
         cfg = config.resolve(config.parse_args(argv + extra), world=3)
         assert {k: getattr(cfg, k) for k in recipe} == recipe
-        config.validate(cfg, 3)
+        cli.validate(cfg, 3)
 
 
 def _cut_down(name, dataset, url, clip):

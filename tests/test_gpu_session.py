@@ -39,7 +39,7 @@ def test_the_parts_fit_the_device_time_and_everything_is_logged():
 
 
 def test_its_main_py_commands_are_accepted(monkeypatch, tiny_cache, tmp_path):
-    """Catches a flag renamed or a combination refused by config.validate (it would fail on the GPU after the
+    """Catches a flag renamed or a combination refused by cli.validate (it would fail on the GPU after the
     machine started): every main.py command but the --resume one is validated here, with CUDA reported present
     (validate only asks whether it is) and the 12B pipeline folder replaced by a tiny one of the same layout."""
     import torch

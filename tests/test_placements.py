@@ -118,7 +118,7 @@ def test_the_one_process_update_is_minus_the_gradient_of_the_plain_objective(run
     models.enable_full_training(policy)
     params = dict(policy.transformer.named_parameters())
     assert all(torch.equal(params[k].detach(), initial[k]) for k in weights)
-    prompts = config.prompt_source(cfg).train
+    prompts = rewards.prompt_source(cfg).train
     spec = gap.fragment_spec(cfg.seed, 0, 0, 4, len(prompts), 4, 2)  # the whole batch: 4 groups of 2
     sampling = SamplingConfig(num_steps=3, noise_level=NOISE_LEVEL)  # T_train = int(3 * 0.99) = 2
     fragment = generate_fragment(policy, spec, prompts, sampling, rewards.build_reward("color"), 0, 0)

@@ -1,9 +1,10 @@
-"""tools/plan.py: its commands pass config.validate, its memory filter rejects what does not fit, and its best
+"""tools/plan.py: its commands pass cli.validate, its memory filter rejects what does not fit, and its best
 configuration is never slower under the simulator than a fixed default one."""
 import shlex
 
 import pytest
 
+import cli
 import config
 import models
 from tools import plan, plan_memory
@@ -42,7 +43,7 @@ def test_printed_command_passes_config_validate(family, tiny_cache):
     assert world == 16
     args[args.index("--pretrained") + 1] = models.tiny_pipeline_path(family)
     cfg = config.resolve(config.parse_args(args), world)
-    config.validate(cfg, world)
+    cli.validate(cfg, world)
     s = plan_memory.settings(family)[1]
     assert (cfg.model, cfg.rollout_ranks, cfg.fragment_groups, cfg.tsp_pack, cfg.tag, cfg.max_stale_fragments) == (
         family, c.rollout_ranks, c.fragment_groups, c.tsp_pack, c.tag, c.max_stale)
@@ -57,7 +58,7 @@ def test_printed_command_passes_config_validate(family, tiny_cache):
 
 def test_no_lora_plans_fsdp_and_respects_its_tag_rule():
     """Catches a full fine-tuning plan without FSDP (a 12B model's fp32 state does not fit one H200), with TAG and
-    fragments smaller than K (config.validate refuses it), or one that keeps TAG at any price (K <= 4 trainers, so
+    fragments smaller than K (cli.validate refuses it), or one that keeps TAG at any price (K <= 4 trainers, so
     that fragments of 4 groups are >= K, instead of TAG off)."""
     p = _problem("flux", lora=False)
     refused = plan.admissible(p, plan.Candidate(8, 1, 1, True, 8), plan_memory.load())

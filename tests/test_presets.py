@@ -209,7 +209,7 @@ def test_a_preset_sample_batch_size_fits_a_small_fragment_and_a_given_one_is_che
     fragment at most the published value; one given on the command line is still refused when it does not divide."""
     args = ["--pretrained", models.tiny_pipeline_path("flux"), "--group-size", "2", "--prompts-per-step", "2"]
     cfg = config.resolve(config.parse_args(args))
-    config.validate(cfg, 2)
+    cli.validate(cfg, 2)
     assert cfg.sample_batch_size == 2
     six = config.resolve(config.parse_args([*args[:2], "--group-size", "6", "--prompts-per-step", "2"]))
     assert six.sample_batch_size == 3  # the published value where it divides
@@ -217,4 +217,4 @@ def test_a_preset_sample_batch_size_fits_a_small_fragment_and_a_given_one_is_che
     assert five.sample_batch_size == 1
     given = config.resolve(config.parse_args([*args, "--sample-batch-size", "3"]))
     with pytest.raises(ValueError, match="--sample-batch-size 3 does not divide a fragment's 2 trajectories"):
-        config.validate(given, 2)
+        cli.validate(given, 2)

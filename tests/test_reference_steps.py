@@ -237,6 +237,7 @@ def test_dance_grpo_trains_a_random_subset_of_all_but_the_last_step(fraction):
 
 
 def test_config_defaults_are_each_references_fraction():
+    import cli
     import config
 
     flow = config.resolve(config.parse_args([]))
@@ -244,4 +245,4 @@ def test_config_defaults_are_each_references_fraction():
     assert (flow.timestep_fraction, dance.timestep_fraction) == (0.99, 0.6)
     assert num_train_timesteps(SamplingConfig(num_steps=6, timestep_fraction=flow.timestep_fraction)) == 5
     with pytest.raises(ValueError, match="trains no step"):
-        config.validate(config.resolve(config.parse_args(["--num-steps", "2", "--timestep-fraction", "0.4"])), 2)
+        cli.validate(config.resolve(config.parse_args(["--num-steps", "2", "--timestep-fraction", "0.4"])), 2)

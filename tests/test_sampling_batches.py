@@ -16,6 +16,7 @@ import dataclasses
 import pytest
 import torch
 
+import cli
 import config
 import gap
 import models
@@ -98,10 +99,10 @@ def test_evaluation_over_two_ranks_in_batches_equals_one_rank(policy, monkeypatc
 
 def test_held_out_noises_never_coincide_with_training_noises():
     """Catches evaluation noises a training trajectory also drew: for the largest seed and step the validation
-    allows (config.SEED_LIMIT, STEPS_LIMIT) and a batch of 2^30 trajectories, every training noise seed
+    allows (cli.SEED_LIMIT, STEPS_LIMIT) and a batch of 2^30 trajectories, every training noise seed
     (gap.fragment_spec's, initial and per-step, DanceGRPO's shared ones too) stays below rollout.EVAL_SEED, from
     which evaluation counts its seeds; and a seed the validation would refuse could reach it."""
-    seed, step, trajectories = config.SEED_LIMIT - 1, config.STEPS_LIMIT - 1, 2**30
+    seed, step, trajectories = cli.SEED_LIMIT - 1, cli.STEPS_LIMIT - 1, 2**30
     base = (seed * 1_000_003 + step) * 1_000_033  # gap.fragment_spec's, written out
     assert base + 2 * trajectories + 1 < EVAL_SEED
     spec = gap.fragment_spec(seed, step, 2, 2, 10, 4, 4, shared_group_noise=True)  # groups 2-3 of 4
@@ -110,7 +111,7 @@ def test_held_out_noises_never_coincide_with_training_noises():
     too_big = gap.fragment_spec(2**23, step, 0, 1, 10, 1, 4)
     assert max(too_big.init_seeds + too_big.noise_seeds) >= EVAL_SEED  # why --seed is bounded
     with pytest.raises(ValueError, match=r"--seed must be an integer in \[0, 4194303\] .* got 8388608"):
-        config.validate(config.resolve(config.Config(seed=2**23), world=2), 2)
+        cli.validate(config.resolve(config.Config(seed=2**23), world=2), 2)
 
 
 def test_the_memory_estimate_counts_the_decode_of_one_sample_batch(monkeypatch):

@@ -10,6 +10,7 @@ import os
 import pytest
 import torch
 
+import cli
 import config
 import gap
 import grpo
@@ -245,7 +246,7 @@ def test_no_train_cfg_is_refused_for_guidance_distilled_families(model, tiny_cac
     any rank starts, naming the flag and the families it applies to."""
     cfg = config.resolve(config.parse_args(["--model", model, "--no-train-cfg"]))
     with pytest.raises(ValueError, match="--no-train-cfg: .*guidance-distilled.*sd3, qwenimage and wan"):
-        config.validate(cfg, 2)
+        cli.validate(cfg, 2)
 
 
 def test_fp16_autocast_is_flow_grpos_sd3_precision(sd3_path):

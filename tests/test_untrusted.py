@@ -368,6 +368,24 @@ def test_an_input_that_failed_later_is_refused_before_any_rank_starts(name, tmp_
     assert not (tmp_path / "x").exists() and not os.path.exists("/abs/path")
 
 
+
+@pytest.mark.parametrize("class_name", [["FluxPipeline"], {"FluxPipeline": 1}, "WanPipeline"])
+def test_a_pipeline_folder_that_names_its_class_oddly_is_refused_in_one_line(class_name, tmp_path, monkeypatch,
+                                                                               capsys):
+    """A --pretrained folder's model_index.json whose _class_name is a list or an object ended in a traceback
+    (TypeError: unhashable type, while the family was looked up to default --model): now no family is named, the
+    default FLUX checks the folder and says what is missing. A named class still picks its family (WanPipeline)."""
+    import json
+
+    import models
+    pipe = tmp_path / "pipe"
+    pipe.mkdir()
+    (pipe / "model_index.json").write_text(json.dumps({"_class_name": class_name}))
+    named = "wan" if class_name == "WanPipeline" else None
+    assert models.family_of_pipeline(str(pipe)) == named
+    err = refused(["--pretrained", str(pipe), "--out-dir", str(tmp_path / "out")], monkeypatch, capsys)
+    assert f"is missing the component 'transformer' (required for {named or 'flux'}:" in err, err
+
 def test_an_unwritable_or_full_output_folder_is_refused_before_any_rank_starts(tmp_path, monkeypatch, capsys):
     """A read-only --out-dir ended in an OSError traceback that did not say so, and a full disk was found at the
     first checkpoint."""

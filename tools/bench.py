@@ -90,7 +90,7 @@ def inprocess_costs(args, w: dict) -> dict:
     torch.set_num_threads(1)
     cfg = config_lib.Config(model=args.model)
     policy = models.load(args.model, models.tiny_pipeline_path(args.model), args.device, torch.float32)
-    reward_fn = rewards.build_reward(cfg.reward, config_lib.reward_options(cfg))
+    reward_fn = rewards.build_reward(cfg.reward, rewards.RewardOptions.of(cfg))
     m = w["m"]
     latents = torch.stack([policy.noise(torch.Generator().manual_seed(i)) for i in range(m)])
     prompts = (rewards.color_prompts("train") * m)[:m]

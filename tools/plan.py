@@ -10,7 +10,7 @@ It searches R (rollout ranks; K = P - R trainers), the fragment size (--fragment
 off and TCSS's budget j (--max-stale-fragments 0, 1 or R) with tools/simulate.py's event model on the H200
 per-op profiles (tools/profiles/, at paper_settings.json's workload: the model's T, T_train, G, B = 32,
 resolution and M updates per batch), drops what the real-size memory estimate says does not fit
-(tools/plan_memory.py: both roles' peaks, cached from tools/estimate_memory.py) and what config.validate
+(tools/plan_memory.py: both roles' peaks, cached from tools/estimate_memory.py) and what cli.validate
 refuses, and prints the best `torchrun ... main.py ...` command with its predicted step time, next to the ideal
 colocated system's (same M), and the runner-up configurations. The search is in two stages: every R with
 the default knobs, then the full grid of knobs around the three best R.
@@ -100,7 +100,7 @@ class Problem:
 
 
 def admissible(p: Problem, c: Candidate, memory_cache: dict | None) -> tuple[bool, dict | None, str]:
-    """(runs, memory peaks, why not): the rules config.validate applies, and the memory estimate."""
+    """(runs, memory peaks, why not): the rules cli.validate applies, and the memory estimate."""
     trainers = p.gpus - c.rollout_ranks
     if paper_settings()["batch_groups"] % c.fragment_groups:
         return False, None, "fragment size does not divide the batch"
@@ -184,15 +184,16 @@ def command(p: Problem, c: Candidate) -> str:
 
 
 def validate(p: Problem, c: Candidate) -> None:
-    """config's own parser, resolve and validate on the candidate's arguments (the weights left out: they are
+    """config's own parser and resolve, and cli's validate, on the candidate's arguments (the weights left out: they are
     not on this machine; tests/test_plan.py also runs it with the family's tiny pipeline in their place)."""
+    import cli
     import config
     cfg = config.resolve(config.parse_args(main_args(p, c, pretrained=None)), p.gpus)
-    config.validate(cfg, p.gpus)
+    cli.validate(cfg, p.gpus)
 
 
 def best(p: Problem, memory_cache: dict | None = None, top: int = 5) -> tuple[list[Plan], dict]:
-    """The `top` fastest candidates that config.validate accepts (families with a command), fastest first."""
+    """The `top` fastest candidates that cli.validate accepts (families with a command), fastest first."""
     plans, rejected = search(p, memory_cache)
     if p.family is None:
         return plans[:top], rejected
@@ -201,7 +202,7 @@ def best(p: Problem, memory_cache: dict | None = None, top: int = 5) -> tuple[li
         try:
             validate(p, plan.candidate)
         except (ValueError, SystemExit) as exc:
-            rejected[f"config.validate: {exc}"] = rejected.get(f"config.validate: {exc}", 0) + 1
+            rejected[f"cli.validate: {exc}"] = rejected.get(f"cli.validate: {exc}", 0) + 1
             continue
         kept.append(plan)
         if len(kept) == top:

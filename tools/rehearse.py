@@ -81,6 +81,7 @@ def parse(argv):
 
 def resolve(rest: list[str]):
     """main.py's Config for these flags, as for real weights of the family (presets apply)."""
+    import cli
     import config
     import models
 
@@ -96,7 +97,7 @@ def resolve(rest: list[str]):
     models.resolve_pretrained = lambda name, path, local_only=False: path
     models.base.Family.check_pretrained = lambda self, path: None
     try:
-        config.validate(cfg, world)
+        cli.validate(cfg, world)
     finally:
         models.resolve_pretrained, models.base.Family.check_pretrained = resolve_id, check
     return cfg
