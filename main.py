@@ -35,11 +35,12 @@ import async_policy
 import transport
 import wiring
 from infra import bookkeeping, emulate, rundir, runtime
+from infra.fsdp import shard_for_fsdp
 from infra.launch import launch
 from infra.preemption import EXIT_PREEMPTED, Preempted
 from infra.prompts import PromptSource
 from infra.tracing import Tracer
-from trainer import TrainConfig, Trainer, TrainerSide, nothing, shard_for_fsdp, trainer_loop
+from trainer import TrainConfig, Trainer, TrainerSide, nothing, trainer_loop
 
 
 @dataclasses.dataclass
