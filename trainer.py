@@ -209,33 +209,12 @@ class Trainer:
         self.probe = (batch, logp, mask_t)
         self._bump()
         self.nonfinite_loss |= not math.isfinite(float(loss.detach()))
-        real = float(mask_t.sum())
-        if real == 0:
-            return
-        m = self.metrics
-        m.add("loss", loss.detach())
-        m.add("pairs", real)
-        for k in ("approx_kl", "clipfrac", "ratio_mean") + (("kl",) if "kl" in stats else ()):
-            m.add(k, stats[k] * real)
-        m.low("ratio_min", stats["ratio_min"])
-        m.high("ratio_max", stats["ratio_max"])
         old = async_policy.behaviour_log_prob(logp, batch["old_log_prob"], recorded)
-        for kind in sorted(set(kinds)):
-            of_kind = weights * torch.tensor([k == kind for k in kinds], device=dev)  # [p]
-            count = float((of_kind > 0).sum())
-            if count == 0:
-                continue
-            _, part = grpo.policy_loss(logp, old, batch["advantages"].to(dev), self.cfg.clip_range,
-                                       of_kind)
-            m.add(f"pairs_{kind}", count)
-            m.add(f"ratio_mean_{kind}", part["ratio_mean"] * count)
-            # pairs the clip discards (TCSS's cost)
-            m.add(f"clipfrac_{kind}", part["clipfrac"] * count)
-            m.low(f"ratio_min_{kind}", part["ratio_min"])
-            m.high(f"ratio_max_{kind}", part["ratio_max"])
-        logprob_gap = ((logp - batch["old_log_prob"].to(dev)).abs() * mask_t).sum()
-        # |trainer log-prob - rollout log-prob|: numerics, or staleness
-        m.add("logprob_gap", logprob_gap)
+        adv = batch["advantages"].to(dev)
+        step_metrics.count_pack(
+            self.metrics, loss.detach(), stats, mask_t, weights, kinds,
+            logprob_gap=((logp - batch["old_log_prob"].to(dev)).abs() * mask_t).sum(),
+            stats_of=lambda w: grpo.policy_loss(logp, old, adv, self.cfg.clip_range, w)[1])
 
     def count_fragment(self, fragment, reward_names: list[str]) -> None:
         """Reward and staleness metrics of a fragment (call on exactly one trainer per fragment)."""
