@@ -44,11 +44,12 @@ import tsp
 from flowgrpo import batch_rewards
 from gap import Announcement, Fragment
 from infra import bookkeeping, emulate, rundir, runtime
+from infra.fsdp import shard_for_fsdp
 from infra.launch import launch
 from infra.preemption import EXIT_PREEMPTED, Preempted
 from infra.prompts import PromptSource
 from infra.tracing import Tracer
-from trainer import TrainConfig, Trainer, shard_for_fsdp
+from trainer import TrainConfig, Trainer
 
 
 @dataclasses.dataclass

@@ -1,5 +1,7 @@
-"""Trainer: what a trainer is. Loss over (sample, timestep) pairs, gradient accumulation, clipping,
-AdamW, one step per batch; checkpoints; FSDP2 sharding.
+"""Trainer: what a trainer is. Loss over (sample, timestep) pairs, gradient accumulation, the
+gradient all-reduce, clipping, AdamW, Flow-GRPO's M updates per RL step. Beside it in infra/: the
+step's metrics (step_metrics.py), the checkpoint state (checkpoint_state.py), FSDP2 sharding and
+whole tensors from shards (fsdp.py).
 
 Every pair carries weight 1/(N T_train) (gap.pair_weights, docs/DESIGN.md section 3), so whichever
 rank trains whichever pair, in whatever packing and order, the summed gradient is the full-batch
@@ -20,15 +22,12 @@ from typing import ContextManager
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import Shard
 
 import async_policy
 import gap
 import grpo
-import models
 from flowgrpo import ema as ema_lib
-from infra import checkpoint_file, step_metrics
-from infra.checkpoint_file import Deferred
+from infra import fsdp, step_metrics
 from infra.step_metrics import MetricSums, summarize
 from rollout import step_fn
 from tsp import gather_pairs, gather_spanning
@@ -82,7 +81,7 @@ class Trainer:
         self.policy, self.cfg, self.sharded, self.progress = policy, cfg, sharded, progress
         self.compute_group, self.data_group = compute_group, data_group  # comm.py's two planes
         if getattr(policy, "masters_pending", False):
-            raise ValueError("fp32 masters were left to trainer.shard_for_fsdp "
+            raise ValueError("fp32 masters were left to infra.fsdp.shard_for_fsdp "
                              "(masters_after_sharding), but the transformer was not sharded")
         trainable = [(n, p) for n, p in policy.transformer.named_parameters() if p.requires_grad]
         self.names, self.params = [n for n, _ in trainable], [p for _, p in trainable]
@@ -131,7 +130,7 @@ class Trainer:
         weights over gloo takes minutes)."""
         for p in self.params:
             with torch.no_grad():
-                yield whole_tensor(p)
+                yield fsdp.whole_tensor(p)
             self._bump()
 
     def evaluation_weights(self) -> ContextManager:
@@ -139,79 +138,6 @@ class Trainer:
         ones."""
         return (self.ema.swapped_in(self.params) if self.ema is not None
                 else contextlib.nullcontext())
-
-    # --- checkpoints: streamed tensor by tensor (infra/checkpoint_file.py) -----------------------
-    def checkpoint_skeleton(self) -> dict:
-        """The checkpoint's structure, the same sharded or not: {"weights": name -> tensor,
-        "optimizer": the state dict, "bad_steps_in_a_row", "updates_total"[, "ema": name ->
-        tensor]},
-        with a checkpoint_file.Deferred (shape, dtype, and this rank's tensor or FSDP shard as its
-        source) in place of every weight, AdamW moment and EMA shadow; scalars (AdamW's step) as CPU
-        tensors. `produce` makes each Deferred whole, in checkpoint_file.deferred_order."""
-        def deferred(t: torch.Tensor):
-            return Deferred(t.shape, t.dtype, t) if t.ndim else t.detach().to("cpu")
-
-        optimizer = self.optimizer.state_dict()
-        optimizer["state"] = {i: {k: deferred(v) for k, v in entry.items()}
-                              for i, entry in optimizer["state"].items()}
-        state = {"weights": {name: deferred(p) for name, p in zip(self.names, self.params)},
-                 "optimizer": optimizer, "bad_steps_in_a_row": self.bad_steps_in_a_row,
-                 "updates_total": self.updates_total}
-        if self.ema is not None:
-            state["ema"] = {name: deferred(t) for name, t in zip(self.names, self.ema.shadow)}
-        return state
-
-    def produce(self, tensor: Deferred, keep: bool = True) -> torch.Tensor | None:
-        """One Deferred of checkpoint_skeleton whole on the CPU. Under FSDP it is gathered now (a
-        collective): every trainer produces the same ones in the same order, and only the leader,
-        which writes the file, keeps each (`keep`) for as long as it writes it."""
-        with torch.no_grad():
-            whole = whole_tensor(tensor.source)
-            whole = whole.to("cpu") if keep else None
-        self._bump()
-        return whole
-
-    def checkpoint_state(self, keep: bool = True) -> dict | None:
-        """The whole checkpoint in memory: checkpoint_skeleton with every tensor produced (whole, on
-        the CPU) and kept where `keep`; other ranks take part in the gathers and keep nothing. The
-        reference the streamed file is checked against (tests); a run writes it streamed
-        (infra/bookkeeping.py), never holding it all."""
-        state = self.checkpoint_skeleton()
-        produced = {}
-        for tensor in checkpoint_file.deferred_order(state):
-            whole = self.produce(tensor, keep)
-            if keep:
-                produced[id(tensor)] = whole
-            del whole
-        return checkpoint_file.filled(state, produced) if keep else None
-
-    def load_checkpoint_state(self, state: dict) -> None:
-        """Inverse of checkpoint_state; re-shards whole tensors onto this rank's FSDP shards when
-        sharded."""
-        with torch.no_grad():
-            for name, p in zip(self.names, self.params):  # read from the memory-mapped file here
-                p.copy_(_like(state["weights"][name], p))
-                self._bump()
-        optimizer = dict(state["optimizer"])
-        optimizer["state"] = {i: {k: self._placed(v, self.params[i]) for k, v in s.items()}
-                              for i, s in optimizer["state"].items()}
-        self.optimizer.load_state_dict(optimizer)
-        # --max-bad-steps counts across a resume
-        self.bad_steps_in_a_row = state.get("bad_steps_in_a_row", 0)
-        self.updates_total = state.get("updates_total", 0)
-        # a checkpoint without an EMA (--ema turned on at resume) starts it here
-        if self.ema is not None:
-            with torch.no_grad():
-                for name, shadow, p in zip(self.names, self.ema.shadow, self.params):
-                    shadow.copy_(_like(state["ema"][name], p) if "ema" in state else p.detach())
-
-    def _placed(self, value: torch.Tensor, param) -> torch.Tensor:
-        """An optimizer state tensor placed like `param` (a scalar stays), a unit of progress."""
-        if not value.ndim:
-            return value
-        placed = _like(value, param)
-        self._bump()
-        return placed
 
     # --- one pack of pairs -------------------------------------------------------------------
     def pair_loss(self, batch, weights: torch.Tensor, recorded: torch.Tensor | bool):
@@ -282,33 +208,12 @@ class Trainer:
         self.probe = (batch, logp, mask_t)
         self._bump()
         self.nonfinite_loss |= not math.isfinite(float(loss.detach()))
-        real = float(mask_t.sum())
-        if real == 0:
-            return
-        m = self.metrics
-        m.add("loss", loss.detach())
-        m.add("pairs", real)
-        for k in ("approx_kl", "clipfrac", "ratio_mean") + (("kl",) if "kl" in stats else ()):
-            m.add(k, stats[k] * real)
-        m.low("ratio_min", stats["ratio_min"])
-        m.high("ratio_max", stats["ratio_max"])
         old = async_policy.behaviour_log_prob(logp, batch["old_log_prob"], recorded)
-        for kind in sorted(set(kinds)):
-            of_kind = weights * torch.tensor([k == kind for k in kinds], device=dev)  # [p]
-            count = float((of_kind > 0).sum())
-            if count == 0:
-                continue
-            _, part = grpo.policy_loss(logp, old, batch["advantages"].to(dev), self.cfg.clip_range,
-                                       of_kind)
-            m.add(f"pairs_{kind}", count)
-            m.add(f"ratio_mean_{kind}", part["ratio_mean"] * count)
-            # pairs the clip discards (TCSS's cost)
-            m.add(f"clipfrac_{kind}", part["clipfrac"] * count)
-            m.low(f"ratio_min_{kind}", part["ratio_min"])
-            m.high(f"ratio_max_{kind}", part["ratio_max"])
-        logprob_gap = ((logp - batch["old_log_prob"].to(dev)).abs() * mask_t).sum()
-        # |trainer log-prob - rollout log-prob|: numerics, or staleness
-        m.add("logprob_gap", logprob_gap)
+        adv = batch["advantages"].to(dev)
+        step_metrics.count_pack(
+            self.metrics, loss.detach(), stats, mask_t, weights, kinds,
+            logprob_gap=((logp - batch["old_log_prob"].to(dev)).abs() * mask_t).sum(),
+            stats_of=lambda w: grpo.policy_loss(logp, old, adv, self.cfg.clip_range, w)[1])
 
     def count_fragment(self, fragment, reward_names: list[str]) -> None:
         """Reward and staleness metrics of a fragment (call on exactly one trainer per fragment)."""
@@ -423,84 +328,3 @@ def fused_adamw_ok(params: list[torch.Tensor]) -> bool:
     return all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
 
 
-def _is_sharded(t) -> bool:
-    return hasattr(t, "full_tensor")  # a DTensor (FSDP2 parameter or optimizer state)
-
-
-def whole_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of an FSDP2 shard (a collective: every rank of its mesh calls it), else `t`.
-
-    Gathered with the all_gather_into_tensor FSDP2 itself runs, not DTensor.full_tensor(): on an
-    H200 with the compute plane on gloo and CUDA tensors (tools/gpu_session.sh part a, torch 2.11,
-    2026-12-04) full_tensor's functional all-gather segfaulted on both trainers at the first
-    publish, after FSDP2's own gathers had run the training. Shard(0) follows torch.chunk: rank i
-    holds rows [i c, (i + 1) c) of n, c = ceil(n / W), the last ones short or empty, so the padded
-    blocks' first n rows are the tensor."""
-    if not _is_sharded(t):
-        return t.detach()
-    if t.ndim == 0 or tuple(t.placements) != (Shard(0),):
-        return t.full_tensor()  # not FSDP2's layout: left to DTensor
-    local = t.to_local().detach()
-    group = t.device_mesh.get_group()
-    rows = -(-t.shape[0] // dist.get_world_size(group))  # c = ceil(n / W)
-    block = local.new_zeros((rows, *t.shape[1:]))  # [c, ...]
-    block[:local.shape[0]] = local
-    gathered = local.new_empty((rows * dist.get_world_size(group), *t.shape[1:]))  # [W c, ...]
-    dist.all_gather_into_tensor(gathered, block, group=group)
-    return gathered[:t.shape[0]]  # [n, ...]
-
-
-def _like(whole: torch.Tensor, param) -> torch.Tensor:
-    """`whole` placed like `param`: the local FSDP shard of it, or a plain tensor on param's
-    device."""
-    if _is_sharded(param):
-        from torch.distributed.tensor import distribute_tensor
-        return distribute_tensor(whole.to(param.device, param.dtype), param.device_mesh,
-                                 param.placements)
-    return whole.to(param.device, param.dtype)
-
-
-def shard_for_fsdp(policy, compute_group, keep_reference: bool) -> None:
-    """FSDP2 over the trainers' compute group: each transformer block is a unit (gathered only while
-    it runs), then the root. With `keep_reference` (full fine-tuning with a KL term) the reference,
-    the initial weights in the policy dtype, is sharded the same way: built on the meta device, each
-    unit filled from the policy's still-whole unit and sharded at once, so no trainer ever holds
-    more than one unit of it whole. The caller must not keep references to the policy's parameters
-    from before this call: FSDP2 frees a parameter's whole storage only when nothing else holds it
-    (main.py collects its lists afterwards)."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    # a DeviceMesh may be passed in (tools/estimate_memory.py builds it outside FakeTensorMode)
-    mesh = (compute_group if isinstance(compute_group, DeviceMesh)
-            else DeviceMesh.from_group(compute_group, policy.device.type))
-    # bf16 base + fp32 LoRA: gather and compute in the policy dtype, reduce gradients in fp32.
-    mp = MixedPrecisionPolicy(param_dtype=policy.dtype, reduce_dtype=torch.float32)
-    transformer = policy.transformer
-    reference = (models.frozen_copy(transformer, policy.dtype, on_meta=True) if keep_reference
-                 else None)
-    for name, module in transformer.named_modules():
-        if isinstance(module, torch.nn.ModuleList) and name.endswith("blocks"):
-            for i, block in enumerate(module):
-                if reference is not None:
-                    unit = reference.get_submodule(f"{name}.{i}")
-                    models.fill_from(unit, block, policy.dtype)
-                    fully_shard(unit, mesh=mesh, mp_policy=mp)
-                fully_shard(block, mesh=mesh, mp_policy=mp)
-    if reference is not None:
-        models.fill_from(reference, transformer, policy.dtype)  # what is outside the blocks
-        # reshard after forward even at the root: the reference never runs a backward, which is
-        # what would reshard a root FSDP2 leaves gathered after its forward (its default for the
-        # root)
-        fully_shard(reference, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
-        policy.reference_transformer = reference
-    fully_shard(transformer, mesh=mesh, mp_policy=mp)
-    if getattr(policy, "masters_pending", False):  # fp32 masters of the shards only
-        models.make_fp32_masters(transformer)
-        policy.masters_pending = False
-    for module in transformer.modules():
-        if hasattr(module, "set_gradient_divide_factor"):
-            # sum, not mean: pairs already carry 1/(N T_train)
-            module.set_gradient_divide_factor(1.0)
-            # plain SUM collectives: gloo has no PREMUL_SUM
-            module.set_force_sum_reduction_for_comms(True)

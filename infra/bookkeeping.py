@@ -13,11 +13,12 @@ takes part in it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 from collections.abc import Callable
 
-from infra import checkpoint_file, rundir
+from infra import checkpoint_file, checkpoint_state, rundir
 from infra.evaluation import Evaluator
 from infra.preemption import Preempted
 
@@ -28,7 +29,7 @@ def resume(trainer, cfg, progress) -> None:
     FSDP re-sharding is a collective (a resumed run's first)."""
     with progress.inside("resume"):
         state = rundir.load_state(rundir.check_resume(cfg.resume, cfg))  # tensors and plain data only
-        trainer.load_checkpoint_state(state)  # re-shards under FSDP
+        checkpoint_state.load(trainer, state)  # re-shards under FSDP
         trainer.version = state["step"]
         rundir.set_rng_state(state["rng"])
 
@@ -122,11 +123,12 @@ class Bookkeeping:
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or step + 1 == cfg.steps or self.stop_agreed:
             # streamed: the leader writes each tensor as it is produced (under FSDP gathered: every trainer
             # produces them in the same order, the others keep none)
-            checkpoint = (self.trainer.checkpoint_skeleton(), self.trainer.produce)
+            checkpoint = (checkpoint_state.skeleton(self.trainer),
+                          functools.partial(checkpoint_state.produce, self.trainer))
             if not self.leader:
                 with self.tracer.span("checkpoint", step=step):
                     for tensor in checkpoint_file.deferred_order(checkpoint[0]):
-                        self.trainer.produce(tensor, keep=False)
+                        checkpoint_state.produce(self.trainer, tensor, keep=False)
         if self.leader:
             metrics.update(self.initial_eval)
             self.initial_eval.clear()

@@ -502,8 +502,8 @@ def open_run_dir(cfg, steps) -> RunDir:
 
 def record_step(run_dir: RunDir, cfg, policy, step: int, metrics: dict, checkpoint: tuple | None, tracer,
                 on_write: Callable[[], None] | None = None) -> None:
-    """The leader's end of a step: the metrics row; with `checkpoint` = (state, produce) (Trainer.checkpoint_skeleton,
-    Trainer.produce), a checkpoint written streamed (and the LoRA file diffusers loads; `on_write` per record
+    """The leader's end of a step: the metrics row; with `checkpoint` = (state, produce) (checkpoint_state.skeleton
+    and .produce), a checkpoint written streamed (and the LoRA file diffusers loads; `on_write` per record
     written) and the reward curve."""
     import functools
 

@@ -80,6 +80,38 @@ def summarize(m: MetricSums, reward_names: list[str]) -> dict[str, float]:
     return out
 
 
+def count_pack(m: MetricSums, loss: torch.Tensor, stats: dict, mask: torch.Tensor,
+               weights: torch.Tensor, kinds: list[str], logprob_gap: torch.Tensor,
+               stats_of: Callable[[torch.Tensor], dict]) -> None:
+    """A trained pack's loss statistics into `m` (trainer.Trainer.train_pack), weighted by its real
+    pairs (`mask` [p], padding 0; a pack of padding only adds nothing), and split by the pairs'
+    kinds (fresh, later, stale: Trainer.kind_of): `stats_of(w)` is grpo.policy_loss's stats over
+    the pairs of loss weights `w` [p]. `logprob_gap`: the pack's summed |trainer log-prob - rollout
+    log-prob| (numerics, or staleness)."""
+    real = float(mask.sum())
+    if real == 0:
+        return
+    m.add("loss", loss)
+    m.add("pairs", real)
+    for k in ("approx_kl", "clipfrac", "ratio_mean") + (("kl",) if "kl" in stats else ()):
+        m.add(k, stats[k] * real)
+    m.low("ratio_min", stats["ratio_min"])
+    m.high("ratio_max", stats["ratio_max"])
+    for kind in sorted(set(kinds)):
+        of_kind = weights * torch.tensor([k == kind for k in kinds], device=weights.device)  # [p]
+        count = float((of_kind > 0).sum())
+        if count == 0:
+            continue
+        part = stats_of(of_kind)
+        m.add(f"pairs_{kind}", count)
+        m.add(f"ratio_mean_{kind}", part["ratio_mean"] * count)
+        # pairs the clip discards (TCSS's cost)
+        m.add(f"clipfrac_{kind}", part["clipfrac"] * count)
+        m.low(f"ratio_min_{kind}", part["ratio_min"])
+        m.high(f"ratio_max_{kind}", part["ratio_max"])
+    m.add("logprob_gap", logprob_gap)
+
+
 def count_fragment(m: MetricSums, fragment, version: int, reward_names: list[str],
                    collapsed_std: float) -> None:
     """Reward and staleness metrics of a fragment into `m`, against the trainer's weights `version`

@@ -107,7 +107,7 @@ class Policy:
         self.negative_cond = self.encode_prompts([""]) if family.uses_true_cfg else None
         self.reference_transformer = None  # a frozen copy of the initial weights: full fine-tuning with a KL term
         self.autocast = False  # fp32 master weights with a bf16 policy: compute under bf16 autocast
-        self.masters_pending = False  # fp32 masters left to trainer.shard_for_fsdp (enable_full_training)
+        self.masters_pending = False  # fp32 masters left to infra.fsdp.shard_for_fsdp (enable_full_training)
         self.compute_dtype = dtype  # the autocast dtype (fp16 under compute_in_fp16)
         self.on_forward = lambda: None  # called after every transformer forward (main.py: liveness progress)
 
@@ -172,7 +172,7 @@ class Policy:
         """
         if self.reference_transformer is None and not has_lora(self.transformer):
             # in the policy dtype: with fp32 master weights (enable_full_training) the values are bf16 ones anyway;
-            # copied tensor by tensor, never a whole copy in the fp32 master dtype (trainer.shard_for_fsdp shards it)
+            # copied tensor by tensor, never a whole copy in the fp32 master dtype (infra/fsdp.py shards it)
             self.reference_transformer = frozen_copy(self.transformer, self.dtype)
 
     @contextlib.contextmanager
@@ -199,7 +199,7 @@ class Policy:
 def frozen_copy(module: torch.nn.Module, dtype: torch.dtype, on_meta: bool = False) -> torch.nn.Module:
     """A frozen copy of `module` (requires_grad off) whose parameters are in `dtype`, copied one tensor at a time
     (buffers are copied as they are). `on_meta`: the parameters stay on the meta device, taking no memory, to be
-    filled unit by unit with `fill_from` (trainer.shard_for_fsdp shards each unit as soon as it is filled)."""
+    filled unit by unit with `fill_from` (infra.fsdp.shard_for_fsdp shards each unit as soon as it is filled)."""
     memo = {}
     for p in module.parameters():
         data = torch.empty_like(p, dtype=dtype, device="meta") if on_meta else p.detach().to(dtype, copy=True)
@@ -308,7 +308,7 @@ def enable_full_training(policy: Policy, fp32_master: bool = False, masters_afte
     the trainer's forward then bit-equal to the rollout's) or bf16 with stochastic rounding (8 bytes,
     unbiased but noisy). Call it on trainer ranks only: rollout ranks keep the policy dtype.
 
-    `masters_after_sharding` (--fsdp): the float32 copies are left to trainer.shard_for_fsdp, which makes them
+    `masters_after_sharding` (--fsdp): the float32 copies are left to infra.fsdp.shard_for_fsdp, which makes them
     after cutting the weights, so each trainer converts only its shard. Made here, before sharding, the whole
     transformer sat in float32 on every trainer's device for a moment (4 bytes per parameter: 82 GB for
     Qwen-Image's 20.4B, beside its text encoder and VAE) where 2 + 4/K bytes are needed."""

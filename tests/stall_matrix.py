@@ -206,7 +206,7 @@ ROWS = {
     "load the pipeline": Row("fsdp", 2, excused=True, function="models:load"),
     "build the reward": Row("fsdp", 0, excused=True),
     # reading a checkpoint (and, under FSDP, DTensor's scatter); issue 38 defect 1 was found hung in here
-    "resume": Row("fsdp", 2, resume=True, function="trainer:Trainer.load_checkpoint_state"),
+    "resume": Row("fsdp", 2, resume=True, function="infra.checkpoint_state:load"),
     # the rollout rank
     "wait": Row("fsdp", 0),  # for the weights of its step (trainers: for the next fragment, the same code path)
     "reward": Row("fsdp", 0, excused=True),

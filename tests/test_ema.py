@@ -1,5 +1,6 @@
 """flowgrpo/ema.py, Flow-GRPO's EMA of the trained weights (--ema): its arithmetic by hand, and the Trainer's use of it
 (evaluation swaps it in and back, checkpoints carry it, a resume restores it)."""
+import functools
 import io
 import types
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from flowgrpo import ema
+from infra import checkpoint_state
 from trainer import Trainer, TrainConfig
 
 pytestmark = pytest.mark.timeout(60)
@@ -75,13 +77,13 @@ def test_checkpoints_carry_the_ema_and_a_resume_restores_it():
     trainer = _trainer(every=2)
     for _ in range(3):
         _one_update(trainer)
-    state = trainer.checkpoint_state()
+    state = checkpoint_state.whole_state(trainer)
     assert set(state["ema"]) == set(trainer.names) and state["updates_total"] == 3
     buffer = io.BytesIO()
     torch.save(state, buffer)  # the checkpoint file (on CPU the state holds the live tensors themselves)
     buffer.seek(0)
     resumed = _trainer(every=2)
-    resumed.load_checkpoint_state(torch.load(buffer))
+    checkpoint_state.load(resumed, torch.load(buffer))
     assert all(torch.equal(a, b) for a, b in zip(resumed.ema.shadow, trainer.ema.shadow))
     _one_update(trainer)
     _one_update(resumed)
@@ -107,7 +109,8 @@ def test_the_saved_lora_holds_the_ema_weights_and_state_pt_both(tiny_cache, tmp_
             shadow.add_(0.5)
     cfg = config.resolve(config.Config(lora=True, lora_rank=4, lora_alpha=8, lora_targets="attention", ema=True))
     run = rundir.RunDir(str(tmp_path), "{}")
-    rundir.record_step(run, cfg, policy, 0, {"loss": 0.0}, (trainer.checkpoint_skeleton(), trainer.produce),
+    checkpoint = (checkpoint_state.skeleton(trainer), functools.partial(checkpoint_state.produce, trainer))
+    rundir.record_step(run, cfg, policy, 0, {"loss": 0.0}, checkpoint,
                        Tracer(0, "trainer"))  # streamed, as bookkeeping writes it
     saved = load_file(str(tmp_path / "checkpoints" / "step_000001" / "pytorch_lora_weights.safetensors"))
     want = {f"transformer.{k}": v for k, v in  # diffusers' file prefixes the component

@@ -1,4 +1,4 @@
-"""FSDP2 shards made whole again (trainer.whole_tensor: publishing, checkpoints), on 3 gloo ranks.
+"""FSDP2 shards made whole again (infra/fsdp.py whole_tensor: publishing, checkpoints), on 3 gloo ranks.
 
 The gather runs FSDP2's own collective (all_gather_into_tensor), not DTensor.full_tensor(): full_tensor's
 functional all-gather segfaulted on an H200 with gloo and CUDA tensors (tools/gpu_session.sh part a,
@@ -17,7 +17,7 @@ def _gather_worker(rank, world, store):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    import trainer
+    from infra import fsdp
 
     torch.manual_seed(0)  # the same module on every rank
     module = torch.nn.Sequential(torch.nn.Linear(3, 7), torch.nn.Linear(7, 2), torch.nn.Linear(2, 1, bias=False))
@@ -32,7 +32,7 @@ def _gather_worker(rank, world, store):
     out = {}
     for name, p in module.named_parameters():
         assert isinstance(p, DTensor)
-        gathered = trainer.whole_tensor(p)
+        gathered = fsdp.whole_tensor(p)
         out[name] = (torch.equal(gathered, whole[name]), tuple(gathered.shape), tuple(p.to_local().shape))
     dist.barrier()
     return out

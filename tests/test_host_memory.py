@@ -277,7 +277,7 @@ def test_a_publish_waits_for_the_swap_reading_its_buffers():
 def _probe_rank(payload, rank, world, local_rank, master, agent_store, report_silent):
     """main.run_rank with host-memory probes (tests/host_bytes.py), written to $DIGENRL_MEMORY_PROBE/rank<r>.json:
     - a trainer: the float32 bytes alive at once from models.enable_full_training to the end of
-      trainer.shard_for_fsdp (where the fp32 masters are made);
+      infra.fsdp.shard_for_fsdp (where the fp32 masters are made);
     - the leader: the bytes alive at once in Bookkeeping._record, which writes the checkpoint;
     - a rollout rank: the bytes its weight mailbox thread allocated over the run, and the versions it received."""
     import main

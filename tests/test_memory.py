@@ -1,7 +1,7 @@
 """Publishing and checkpointing under FSDP with full fine-tuning hold at most one whole tensor beyond the
 shards on ranks that do not write, and the leader gathers one tensor at a time for publishing (it then sends buckets of at most transport.PUBLISH_BUCKET_BYTES) (issue: every trainer used to gather all weights and Adam state at once).
 
-Two gloo processes shard the tiny FLUX transformer with trainer.shard_for_fsdp (the real FSDP2 path); every
+Two gloo processes shard the tiny FLUX transformer with infra.fsdp.shard_for_fsdp (the real FSDP2 path); every
 whole tensor that DTensor.full_tensor returns is tracked with a weak reference, and the most whole-tensor bytes
 alive at once are compared with the largest single tensor.
 """
@@ -27,7 +27,8 @@ def _worker(rank, world, store, cache):
     os.environ["DIGENRL_CACHE"] = cache
     import models
     import transport
-    from trainer import TrainConfig, Trainer, shard_for_fsdp
+    from infra.fsdp import shard_for_fsdp
+    from trainer import TrainConfig, Trainer
 
     policy = models.load("flux", models.tiny_pipeline_path("flux"), "cpu", torch.float32)
     models.enable_full_training(policy)
@@ -37,10 +38,10 @@ def _worker(rank, world, store, cache):
         p.grad = torch.zeros_like(p)
     trainer.optimizer.step()
 
-    import trainer as trainer_lib
+    from infra import checkpoint_state, fsdp
 
     alive, peak = weakref.WeakSet(), [0]
-    original = trainer_lib.whole_tensor  # every FSDP shard made whole goes through it (publish, checkpoint)
+    original = fsdp.whole_tensor  # every FSDP shard made whole goes through it (publish, checkpoint)
 
     def tracked(t):
         whole = original(t)
@@ -49,7 +50,7 @@ def _worker(rank, world, store, cache):
             peak[0] = max(peak[0], sum(x.numel() * x.element_size() for x in alive))
         return whole
 
-    trainer_lib.whole_tensor = tracked
+    fsdp.whole_tensor = tracked
     leader = rank == 0
     alone = dist.new_group([0], backend="gloo")  # the leader publishes to a group of its own (no receivers here)
     if leader:
@@ -57,7 +58,7 @@ def _worker(rank, world, store, cache):
     else:
         collections.deque(trainer.iter_full_weights(), maxlen=0)  # a non-leader's part in a publish (main.py)
     publish_peak, peak[0] = peak[0], 0
-    state = trainer.checkpoint_state(keep=leader)
+    state = checkpoint_state.whole_state(trainer, keep=leader)
     largest = max(max(p.numel() * p.element_size() for p in trainer.params),
                   max(v.numel() * v.element_size() for s in trainer.optimizer.state.values() for v in s.values()
                       if v.ndim))
@@ -169,9 +170,10 @@ def test_fsdp_trainers_hold_one_kth_of_the_model_and_optimizer(beta, tiny_cache,
 
 def _sharded_full_policy(path, masters_after_sharding: bool):
     """A bf16 tiny FLUX with fp32 masters, sharded over the world with its KL reference (main.py's trainer path:
-    runtime.load_policy, then trainer.shard_for_fsdp), and its Trainer."""
+    runtime.load_policy, then infra.fsdp.shard_for_fsdp), and its Trainer."""
     import models
-    from trainer import TrainConfig, Trainer, shard_for_fsdp
+    from infra.fsdp import shard_for_fsdp
+    from trainer import TrainConfig, Trainer
 
     policy = models.load("flux", path, "cpu", torch.bfloat16)
     models.enable_full_training(policy, fp32_master=True, masters_after_sharding=masters_after_sharding)
@@ -235,7 +237,7 @@ def test_the_sharded_kl_reference_is_the_initial_weights(tiny_cache):
 def test_estimated_trainer_memory_matches_hand_arithmetic(mode, tmp_path):
     """Catches a memory estimate that is not what the code holds, and trainers holding whole copies under FSDP
     (issue 22 items 2 and 6): FLUX.1-dev's transformer under FakeTensorMode, world size 8 (R = K = 4), through
-    models.Policy, trainer.shard_for_fsdp and trainer.Trainer; torch's MemTracker / FSDPMemTracker count the
+    models.Policy, infra.fsdp.shard_for_fsdp and trainer.Trainer; torch's MemTracker / FSDPMemTracker count the
     weights, gradients and AdamW state a trainer holds after an optimizer step, which must be the hand arithmetic
     within 10%: 16 B per parameter (+ 2 B for the bf16 KL reference) / K under FSDP; LoRA: the bf16 base whole and
     16 B per adapter parameter. Reduced depth (2 + 4 of the 19 + 38 blocks: the same code path, seconds instead

@@ -1,8 +1,8 @@
 """Resume at scale: under FSDP, with K = 2 trainers, with TAG and TCSS on.
 
-- FSDP round trip (2 gloo ranks, tests/dist_harness.py, the real trainer.shard_for_fsdp): after two AdamW steps,
-  Trainer.checkpoint_state -> load_checkpoint_state into a freshly sharded trainer gives back every local shard
-  of the weights and of the AdamW state bit for bit, the same checkpoint again, and the same next step.
+- FSDP round trip (2 gloo ranks, tests/dist_harness.py, the real infra.fsdp.shard_for_fsdp): after two AdamW
+  steps, infra.checkpoint_state's whole_state -> load into a freshly sharded trainer gives back every local
+  shard of the weights and of the AdamW state bit for bit, the same checkpoint again, and the same next step.
   Catches: a checkpoint of each rank's local shard instead of the whole tensor, whole tensors not re-sharded on
   load (or sharded along another dimension), the Adam step count or moments lost under sharding.
 - DigenRL with K = 2 trainers, TAG and TCSS scripted (tests/inject/scripted_schedule.py: who generates which
@@ -23,6 +23,7 @@ import torch
 
 import dist_harness
 from conftest import ROOT, checkpoint_weights, read_metrics, run_main
+from infra import checkpoint_state
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,7 +33,8 @@ def _fsdp_trainer(cache):
 
     os.environ["DIGENRL_CACHE"] = cache
     import models
-    from trainer import TrainConfig, Trainer, shard_for_fsdp
+    from infra.fsdp import shard_for_fsdp
+    from trainer import TrainConfig, Trainer
 
     policy = models.load("flux", models.tiny_pipeline_path("flux"), "cpu", torch.float32)
     models.enable_full_training(policy)
@@ -73,16 +75,16 @@ def _round_trip_worker(rank, world, store, cache):
     first = _fsdp_trainer(cache)
     for seed in (0, 10):
         _train_step(first, seed)
-    state = first.checkpoint_state(keep=True)
+    state = checkpoint_state.whole_state(first, keep=True)
     assert all(v.shape == p.shape for v, p in zip(state["weights"].values(), first.params))  # whole tensors
     second = _fsdp_trainer(cache)  # the initial weights, no AdamW state
     changed = not all(torch.equal(a, b) for a, b in zip(_local(first)[:len(first.params)], _local(second)))
     buffer = io.BytesIO()  # through the bytes, as the checkpoint file goes (no tensor shared with the first trainer)
     torch.save(state, buffer)
     buffer.seek(0)
-    second.load_checkpoint_state(torch.load(buffer))
+    checkpoint_state.load(second, torch.load(buffer))
     shards = all(torch.equal(a, b) for a, b in zip(_local(first), _local(second)))
-    again = _same_state(state, second.checkpoint_state(keep=True))
+    again = _same_state(state, checkpoint_state.whole_state(second, keep=True))
     for trainer in (first, second):
         _train_step(trainer, 20)
     next_step = all(torch.equal(a, b) for a, b in zip(_local(first), _local(second)))

@@ -14,7 +14,7 @@ the project's own code runs, as torchtitan's scripts/estimate/estimation.py does
   forward batch (--sample-batch-size samples, the family's published one by default, at most a fragment of
   --fragment-groups x --group-size; true CFG doubles the batch), then the VAE decode of such a batch (the
   family's released VAE, built from its config) while the transformer stays loaded: the larger of the two;
-- trainer rank: models.add_lora or models.enable_full_training (fp32 masters), trainer.shard_for_fsdp over the
+- trainer rank: models.add_lora or models.enable_full_training (fp32 masters), infra.fsdp.shard_for_fsdp over the
   K = nproc - rollout_ranks trainers (with --fsdp), trainer.Trainer (its optimizer, its KL reference), then two
   training packs of --tsp-pack pairs: Trainer.pair_loss, backward, Trainer.all_reduce_gradients, gradient clip,
   the AdamW step (the second pack runs with the optimizer state the first created).
@@ -46,7 +46,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gap  # noqa: E402
 import models  # noqa: E402
-from trainer import TrainConfig, Trainer, shard_for_fsdp  # noqa: E402
+from infra.fsdp import shard_for_fsdp  # noqa: E402
+from trainer import TrainConfig, Trainer  # noqa: E402
 from tools.real_models import FAMILIES  # noqa: E402
 from tsp import gather_pairs  # noqa: E402
 

@@ -10,7 +10,7 @@ import sys
 
 TORCH_INTERNALS = ("torch/distributed/fsdp/", "torch/distributed/tensor/", "torch/nn/utils/clip_grad")
 COMPUTE_CALLERS = {("trainer.py", "all_reduce_gradients"),  # the only project code allowed on the compute plane
-                   ("trainer.py", "whole_tensor")}  # FSDP shards made whole (publish, checkpoint), main thread
+                   ("fsdp.py", "whole_tensor")}  # FSDP shards made whole (publish, checkpoint), main thread
 
 
 def calls(rows: list[dict]) -> list[dict]:
