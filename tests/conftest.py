@@ -19,6 +19,50 @@ os.environ.setdefault("DIGENRL_TINY_PRETRAIN", "quick")
 os.environ.setdefault("XDG_CONFIG_HOME", os.path.join(tempfile.gettempdir(), f"digenrl-tests-{os.getuid()}"))
 
 
+# --- scheduling the files over pytest-xdist's workers ------------------------------------------------------------
+# The README's command (`-n 2 --dist loadfile`) runs each file on one worker, and xdist hands out files by their
+# number of tests: a slow file of few tests (the rehearsal: 2 tests, 3 minutes) came last and ran alone while the
+# other core idled. Handing out the slowest files first (longest processing time first) leaves only short files
+# for the end, so both workers finish within about one short file of each other. Seconds each file took on 2
+# cores, 2026-12-04 (the order is what counts; a file not listed goes after these, in xdist's own order).
+SLOW_FILES_S = {
+    "test_pretrain.py": 280,
+    "test_stall_matrix.py": 200,
+    "test_rehearse.py": 180,
+    "test_placements.py": 170,
+    "test_liveness.py": 160,
+    "test_course.py": 150,
+    "test_cli.py": 140,
+    "test_memory.py": 110,
+    "test_comm_contract.py": 90,
+    "test_run_life.py": 90,
+    "test_reliability.py": 80,
+    "test_multinode.py": 70,
+    "test_failure_paths.py": 60,
+}
+
+
+def slowest_file(files) -> str:
+    """The first of `files` (xdist's scopes: paths of test files) with the most seconds in SLOW_FILES_S; files not
+    listed count 0, so among them the first (xdist's order: most tests first)."""
+    return max(files, key=lambda path: SLOW_FILES_S.get(os.path.basename(path), 0))
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile, slowest listed file first (SLOW_FILES_S); any other --dist: xdist's own scheduler."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SlowestFileFirst(LoadFileScheduling):
+        def _assign_work_unit(self, node):
+            self.workqueue.move_to_end(slowest_file(self.workqueue), last=False)  # what the base class hands out
+            super()._assign_work_unit(node)
+
+    return SlowestFileFirst(config, log)
+
+
 @pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory):
     """One cache folder for tiny pipelines per test session (built once, reused by every run)."""
