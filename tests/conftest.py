@@ -23,22 +23,23 @@ os.environ.setdefault("XDG_CONFIG_HOME", os.path.join(tempfile.gettempdir(), f"d
 # The README's command (`-n 2 --dist loadfile`) runs each file on one worker, and xdist hands out files by their
 # number of tests: a slow file of few tests (the rehearsal: 2 tests, 3 minutes) came last and ran alone while the
 # other core idled. Handing out the slowest files first (longest processing time first) leaves only short files
-# for the end, so both workers finish within about one short file of each other. Seconds each file took on 2
-# cores, 2026-12-04 (the order is what counts; a file not listed goes after these, in xdist's own order).
+# for the end, so both workers finish within about one short file of each other. The seconds are estimates for 2
+# idle cores (2026-12-04, from the slowest tests of a whole run and loaded runs of single files): only their order
+# counts; refine them from a `--durations=0` run. A file not listed goes after these, in xdist's own order.
 SLOW_FILES_S = {
-    "test_pretrain.py": 280,
-    "test_stall_matrix.py": 200,
-    "test_rehearse.py": 180,
-    "test_placements.py": 170,
-    "test_liveness.py": 160,
+    "test_placements.py": 300,  # 20 main.py jobs
+    "test_stall_matrix.py": 210,  # the matrix fixture 156 s
+    "test_run_life.py": 200,
+    "test_rehearse.py": 190,  # the FSDP hand check 120 s
+    "test_liveness.py": 180,
     "test_course.py": 150,
-    "test_cli.py": 140,
-    "test_memory.py": 110,
-    "test_comm_contract.py": 90,
-    "test_run_life.py": 90,
-    "test_reliability.py": 80,
-    "test_multinode.py": 70,
-    "test_failure_paths.py": 60,
+    "test_reliability.py": 130,
+    "test_pretrain.py": 110,  # + ~170 s where the test cache lacks the demo pipeline (a fresh cache: CI)
+    "test_cli.py": 100,
+    "test_memory.py": 100,
+    "test_comm_contract.py": 75,
+    "test_multinode.py": 60,
+    "test_failure_paths.py": 50,
 }
 
 

@@ -3,8 +3,6 @@ first, so a slow file of few tests does not run alone at the end while the other
 import os
 import types
 
-import pytest
-
 import conftest
 from conftest import ROOT
 
@@ -71,8 +69,10 @@ def test_a_slow_file_of_few_tests_is_handed_out_first():
     assert conftest.pytest_xdist_make_scheduler(types.SimpleNamespace(getvalue={"dist": "load"}.get), None) is None
 
 
-@pytest.mark.parametrize("queue, first", [(["tests/test_a.py", "tests/test_rehearse.py", "tests/test_pretrain.py"],
-                                           "tests/test_pretrain.py"),
-                                          (["tests/test_a.py", "tests/test_b.py"], "tests/test_a.py")])
-def test_slowest_file_is_the_most_seconds_then_the_queues_first(queue, first):
-    assert conftest.slowest_file(queue) == first
+def test_slowest_file_is_the_most_seconds_then_the_queues_first():
+    slowest = max(conftest.SLOW_FILES_S, key=conftest.SLOW_FILES_S.get)
+    fastest = min(conftest.SLOW_FILES_S, key=conftest.SLOW_FILES_S.get)
+    queue = ["tests/test_a.py", f"tests/{fastest}", f"tests/{slowest}"]
+    assert conftest.slowest_file(queue) == f"tests/{slowest}"
+    assert conftest.slowest_file(queue[:2]) == f"tests/{fastest}"
+    assert conftest.slowest_file(["tests/test_a.py", "tests/test_b.py"]) == "tests/test_a.py"
