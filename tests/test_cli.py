@@ -1,5 +1,6 @@
 """Bad input fails before any rank starts; resume continues exactly; a dead rank ends the whole job."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -152,7 +153,9 @@ def test_killing_a_rank_ends_the_job_with_a_message_naming_it(victim, tiny_cache
         _, err = proc.communicate(timeout=60)
         assert time.monotonic() - killed_at < 30
         assert proc.returncode != 0
-        assert f"rank {rank} ({victim}) was killed by signal 9" in err
+        # the launcher reaps the rank and names the signal; on a loaded machine a peer's watchdog may see the process
+        # gone first and end the job itself (infra/liveness.py): either report names the rank and its role
+        assert re.search(rf"rank {rank} \({victim}\) (was killed by signal 9|died: its process is gone)", err), err
     finally:
         if proc.poll() is None:
             proc.kill()
