@@ -19,6 +19,52 @@ os.environ.setdefault("DIGENRL_TINY_PRETRAIN", "quick")
 os.environ.setdefault("XDG_CONFIG_HOME", os.path.join(tempfile.gettempdir(), f"digenrl-tests-{os.getuid()}"))
 
 
+# --- scheduling the files over pytest-xdist's workers ------------------------------------------------------------
+# The README's command (`-n 2 --dist loadfile`) runs each file on one worker, and xdist hands out files by their
+# number of tests: a slow file of few tests (the rehearsal: 2 tests, 3 minutes) came last and ran alone while the
+# other core idled. Handing out the slowest files first (longest processing time first) leaves only short files
+# for the end, so both workers finish within about one short file of each other. The seconds are estimates for 2
+# idle cores (2026-12-04, from the slowest tests of a whole run and loaded runs of single files): only their order
+# counts; refine them from a `--durations=0` run. A file not listed goes after these, in xdist's own order.
+SLOW_FILES_S = {
+    "test_stall_matrix.py": 210,  # the matrix fixture 156 s
+    "test_run_life.py": 200,
+    "test_rehearse.py": 190,  # the FSDP hand check 120 s
+    "test_liveness.py": 160,
+    "test_course.py": 150,
+    "test_placements.py": 140,  # 20 jobs (run_forked) and the plain objective's autograd, in process
+    "test_pretrain.py": 110,  # + ~170 s where the test cache lacks the demo pipeline (a fresh cache: CI)
+    "test_reliability.py": 100,
+    "test_cli.py": 100,
+    "test_memory.py": 100,
+    "test_comm_contract.py": 75,
+    "test_family_rl.py": 70,
+    "test_multinode.py": 60,
+    "test_failure_paths.py": 50,
+}
+
+
+def slowest_file(files) -> str:
+    """The first of `files` (xdist's scopes: paths of test files) with the most seconds in SLOW_FILES_S; files not
+    listed count 0, so among them the first (xdist's order: most tests first)."""
+    return max(files, key=lambda path: SLOW_FILES_S.get(os.path.basename(path), 0))
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile, slowest listed file first (SLOW_FILES_S); any other --dist: xdist's own scheduler."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SlowestFileFirst(LoadFileScheduling):
+        def _assign_work_unit(self, node):
+            self.workqueue.move_to_end(slowest_file(self.workqueue), last=False)  # what the base class hands out
+            super()._assign_work_unit(node)
+
+    return SlowestFileFirst(config, log)
+
+
 @pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory):
     """One cache folder for tiny pipelines per test session (built once, reused by every run)."""
@@ -64,6 +110,22 @@ def run_main(args, out_dir, cache, timeout=240, check=True, env=None):
     if check and proc.returncode != 0:
         raise AssertionError(f"main.py {' '.join(args)} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     return proc
+
+
+def run_forked(args, out_dir, name, cache, scripted=False):
+    """main.py's job for `args` as run <out_dir>/<name> (its ranks' output: <out_dir>/<name>.log), the ranks forked
+    from one forkserver of this process that imported main.py and the tiny pipeline once (tests/stall_matrix.py
+    run_job: cli.prepare, the run lock and infra.launch, as main.py does them): a job costs its ranks' work, not two
+    fresh interpreters importing torch and diffusers. For tests of what a job computes; main.py's own command line,
+    output and exit codes: run_main, as for a test that sets environment variables (the ranks have the forkserver's,
+    taken when this process first started it). `scripted`: TAG and TCSS at scripted moments
+    (tests/inject/scripted_schedule.py, imported by every rank)."""
+    import stall_matrix
+
+    job = stall_matrix.run_job(args, out_dir, name, cache, bound_s=800,
+                               inject=("scripted_schedule",) if scripted else ())
+    assert job.code == 0 and not job.killed_by_test, f"{name}: {job.code} after {job.took_s:.0f} s:\n{job.log[-4000:]}"
+    return job
 
 
 def read_metrics(run_dir):

@@ -36,7 +36,8 @@ def rank_entry(payload, rank, world, local_rank, master, agent_store, report_sil
     os.dup2(log, 1)
     os.dup2(log, 2)
     import faults
-    faults.install(extra.get("faults") or {}, rank)
+    if extra.get("faults"):  # a job without faults runs the project's code unpatched (conftest.run_forked)
+        faults.install(extra["faults"], rank)
     for module in extra.get("inject", ()):  # e.g. scripted_schedule: patches the project on import
         importlib.import_module(module)
     if extra.get("comm_log"):  # after the faults: the recorder then sees the project's own callers

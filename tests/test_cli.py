@@ -1,5 +1,6 @@
 """Bad input fails before any rank starts; resume continues exactly; a dead rank ends the whole job."""
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -100,29 +101,36 @@ def test_unknown_flag_and_help_exit_cleanly():
     assert proc.returncode == 2 and "known models" in proc.stderr
 
 
-def test_resume_continues_with_the_same_metrics(tiny_cache, tmp_path):
-    args = ["--mode", "colocated", "--nproc", "1", "--prompts-per-step", "2", "--group-size", "3", "--num-steps", "3",
-            "--eval-every", "0", "--save-every", "1", "--seed", "5"]
-    run_main([*args, "--steps", "3", "--run-name", "straight"], tmp_path, tiny_cache)
-    run_main([*args, "--steps", "2", "--run-name", "stopped"], tmp_path, tiny_cache)
-    run_main([*args, "--steps", "3", "--resume", str(tmp_path / "stopped")], tmp_path, tiny_cache)
-    straight, resumed = read_metrics(tmp_path / "straight"), read_metrics(tmp_path / "stopped")
+RESUMABLE = ["--mode", "colocated", "--nproc", "1", "--prompts-per-step", "2", "--group-size", "3", "--num-steps", "3",
+             "--eval-every", "0", "--save-every", "1", "--seed", "5"]
+
+
+@pytest.fixture(scope="module")
+def straight_run(tiny_cache, tmp_path_factory):
+    """Three steps of RESUMABLE in one go, a checkpoint after each: the resume test's reference, and the
+    checkpoint the refusal test resumes with another config (one run for both: each is a whole job)."""
+    out = tmp_path_factory.mktemp("straight")
+    run_main([*RESUMABLE, "--steps", "3", "--run-name", "straight"], out, tiny_cache)
+    return out / "straight"
+
+
+def test_resume_continues_with_the_same_metrics(straight_run, tiny_cache, tmp_path):
+    run_main([*RESUMABLE, "--steps", "2", "--run-name", "stopped"], tmp_path, tiny_cache)
+    run_main([*RESUMABLE, "--steps", "3", "--resume", str(tmp_path / "stopped")], tmp_path, tiny_cache)
+    straight, resumed = read_metrics(straight_run), read_metrics(tmp_path / "stopped")
     assert [r["step"] for r in resumed] == [0, 1, 2]
     for key in ("reward_mean", "loss", "grad_norm"):
         assert resumed[2][key] == pytest.approx(straight[2][key], rel=1e-5, abs=1e-9), key
     assert resumed[2]["version"] == straight[2]["version"] == 3  # the trainer resumed at the checkpoint's version
     # the last step's update depends on the AdamW moments of the steps before the stop: restored, it is the same
-    final, want = checkpoint_weights(tmp_path / "stopped", 3), checkpoint_weights(tmp_path / "straight", 3)
+    final, want = checkpoint_weights(tmp_path / "stopped", 3), checkpoint_weights(straight_run, 3)
     for key in want:
         torch.testing.assert_close(final[key], want[key], rtol=1e-5, atol=1e-7, msg=lambda m: f"{key}: {m}")
 
 
-def test_resume_refuses_a_checkpoint_of_another_config(tiny_cache, tmp_path):
-    args = ["--mode", "colocated", "--nproc", "1", "--prompts-per-step", "1", "--group-size", "2", "--num-steps", "2",
-            "--eval-every", "0", "--steps", "1"]
-    run_main([*args, "--run-name", "full"], tmp_path, tiny_cache)
+def test_resume_refuses_a_checkpoint_of_another_config(straight_run):
     with pytest.raises(ValueError, match="different model or LoRA config: lora: checkpoint False vs now True"):
-        cli.prepare([*args, "--lora", "--resume", str(tmp_path / "full")])
+        cli.prepare([*RESUMABLE, "--steps", "3", "--lora", "--resume", str(straight_run)])
 
 
 @pytest.mark.parametrize("victim", ["rollout", "trainer"])
@@ -145,7 +153,9 @@ def test_killing_a_rank_ends_the_job_with_a_message_naming_it(victim, tiny_cache
         _, err = proc.communicate(timeout=60)
         assert time.monotonic() - killed_at < 30
         assert proc.returncode != 0
-        assert f"rank {rank} ({victim}) was killed by signal 9" in err
+        # the launcher reaps the rank and names the signal; on a loaded machine a peer's watchdog may see the process
+        # gone first and end the job itself (infra/liveness.py): either report names the rank and its role
+        assert re.search(rf"rank {rank} \({victim}\) (was killed by signal 9|died: its process is gone)", err), err
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,9 +1,10 @@
-"""One full RL step of every model family, end to end: `python main.py --model X --mode digenrl --lora` on
-2 CPU ranks with the tiny pipeline (built into the cache by models.tiny_pipeline_path, loaded by every rank
-through the family's diffusers `from_pretrained`), then checks on the step-1 checkpoint: the LoRA update is
-finite and nonzero, the reference policy (adapters disabled) is the initial model and differs from the trained
-one, and the diffusers LoRA file reproduces the trained policy. Also: true CFG on both sides of the CFG families (Qwen-Image, Wan), DanceGRPO
-on HunyuanVideo with an animated eval GIF, and video lengths the VAE cannot represent are refused."""
+"""One full RL step of every model family, end to end: main.py's job `--model X --mode digenrl --lora` (its ranks
+forked as main.py forks them: conftest.run_forked) on 2 CPU ranks with the tiny pipeline (built into the cache by
+models.tiny_pipeline_path, loaded by every rank through the family's diffusers `from_pretrained`), then checks on
+the step-1 checkpoint: the LoRA update is finite and nonzero, the reference policy (adapters disabled) is the
+initial model and differs from the trained one, and the diffusers LoRA file reproduces the trained policy. Also:
+true CFG on both sides of the CFG families (Qwen-Image, Wan), DanceGRPO on HunyuanVideo with an animated eval GIF,
+and video lengths the VAE cannot represent are refused."""
 import json
 import os
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 import models
-from conftest import checkpoint_weights, read_metrics, run_main, trainable_state
+from conftest import checkpoint_weights, read_metrics, run_forked, trainable_state
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -32,8 +33,8 @@ def trained(tiny_cache, tmp_path_factory):
 
     def get(name):
         if name not in runs:
-            models.tiny_pipeline_path(name)  # built once in this process: the launcher then skips importing diffusers
-            run_main(["--model", name, *RL_STEP, "--run-name", name], out, tiny_cache, timeout=300)
+            models.tiny_pipeline_path(name)  # built once, before the ranks load it
+            run_forked(["--model", name, *RL_STEP], out, name, tiny_cache)
             runs[name] = os.path.join(out, name)
         return runs[name]
 
@@ -150,10 +151,10 @@ def test_dance_grpo_hunyuanvideo_two_steps_with_an_animated_eval(tiny_cache, tmp
     from PIL import Image, ImageChops, ImageSequence
 
     models.tiny_pipeline_path("hunyuanvideo")
-    run_main(["--model", "hunyuanvideo", "--algo", "dance_grpo", "--nproc", "2", "--steps", "2", "--eval-every", "2",
-              "--save-every", "0", "--prompts-per-step", "2", "--group-size", "2", "--num-steps", "3",
-              "--timeout-s", "60", "--no-trace", "--updates-per-batch", "1", "--run-name", "dance"],
-             tmp_path, tiny_cache, timeout=300)  # one update a step: no pair scored after an update
+    run_forked(["--model", "hunyuanvideo", "--algo", "dance_grpo", "--nproc", "2", "--steps", "2", "--eval-every", "2",
+                "--save-every", "0", "--prompts-per-step", "2", "--group-size", "2", "--num-steps", "3",
+                "--timeout-s", "60", "--no-trace", "--updates-per-batch", "1"],
+               tmp_path, "dance", tiny_cache)  # one update a step: no pair scored after an update
     rows = read_metrics(tmp_path / "dance")
     assert len(rows) == 2 and all(r["skipped_step"] == 0 for r in rows)
     assert all(r["pairs"] == 2 * 2 * 1 for r in rows)  # DanceGRPO's default: int((T - 1) * 0.6) = 1 of T = 3 steps

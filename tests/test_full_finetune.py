@@ -71,11 +71,11 @@ def test_fp32_master_weights_keep_the_lr_1e_5_update_that_a_pure_bf16_step_loses
 def test_a_bf16_run_publishes_fp32_masters_as_bf16(tiny_cache, tmp_path):
     """DigenRL on 2 ranks, bf16, full fine-tuning: the trainer's fp32 masters reach the rollout's bf16 weights
     (the wire carries the rollout's dtype; a wrong one would not even fit the receive buffers)."""
-    from conftest import read_metrics, run_main
+    from conftest import read_metrics, run_forked
 
-    run_main(["--mode", "digenrl", "--nproc", "2", "--no-lora", "--dtype", "bfloat16", "--steps", "3",
-              "--prompts-per-step", "2", "--group-size", "2", "--num-steps", "3", "--eval-every", "0",
-              "--save-every", "0", "--no-trace", "--lr", "1e-3", "--run-name", "bf16"], tmp_path, tiny_cache)
+    run_forked(["--mode", "digenrl", "--nproc", "2", "--no-lora", "--dtype", "bfloat16", "--steps", "3",
+                "--prompts-per-step", "2", "--group-size", "2", "--num-steps", "3", "--eval-every", "0",
+                "--save-every", "0", "--no-trace", "--lr", "1e-3"], tmp_path, "bf16", tiny_cache)
     rows = read_metrics(tmp_path / "bf16")
     assert len(rows) == 3 and all(r["skipped_step"] == 0 for r in rows)
     fresh = [r for r in rows if r.get("stale_frac", 0) == 0][1:]  # after an update, on-policy rows only

@@ -48,11 +48,12 @@ SLOW_REWARD = ("import time\n\ndef slow(images, prompts):\n    with open('/proc/
                "    if len(images) > 2 and generating:\n        time.sleep({s})\n"
                "    return images.mean(dim=(1, 2, 3))\n")
 SLOW_S, TIMEOUT_S = 10, 4  # one reward call per step takes 2.5 x --timeout-s
-MODES = {  # one fragment per generating rank per step
+MODES = {  # one fragment per generating rank per step. DigenRL with --fsdp on 3 ranks (a row here until
+    # 2026-12-04): tests/test_stall_matrix.py's slowed run is that layout with the reward slowed to 3 x --timeout-s
+    # (and every other point slowed too); the digenrl row below keeps the default --excused-timeout-s.
     "colocated": ["--mode", "colocated", "--nproc", "2", "--prompts-per-step", "2", "--group-size", "3"],
     "naive": ["--mode", "naive", "--nproc", "2", "--prompts-per-step", "2", "--fragment-groups", "2"],
     "digenrl": ["--mode", "digenrl", "--nproc", "2", "--prompts-per-step", "2", "--fragment-groups", "2"],
-    "fsdp": ["--mode", "digenrl", "--fsdp", "--nproc", "3", "--prompts-per-step", "2", "--fragment-groups", "2"],
 }
 LONG_STEP = ["--steps", "1", "--group-size", "2", "--num-steps", "2", "--eval-every", "0", "--save-every", "0",
              "--no-trace", "--timeout-s", str(TIMEOUT_S)]

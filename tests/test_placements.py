@@ -1,9 +1,11 @@
 """The central claims of GAP, TSP and TAG: the update after a step is the same in every placement, for any
 cut of the batch into fragments, and whoever generates.
 
-Each case runs `python main.py` (which spawns its own gloo ranks) and compares the trained weights in the
-checkpoint (allclose, float32, same seed and batch). The runs use `--optimizer sgd --lr 1`, so a weight
-moves by exactly minus its gradient: comparing weights compares gradients. (AdamW's first step moves each
+Each case runs main.py's job (its gloo ranks, launched as main.py launches them: conftest.run_forked, from
+one forkserver of this process that imported main.py once, so a job costs its ranks' work, not two fresh
+interpreters' imports) and compares the trained weights in the checkpoint (allclose, float32, same seed and batch).
+The runs use `--optimizer sgd --lr 1`, so a weight moves by exactly minus its gradient: comparing weights compares
+gradients. (AdamW's first step moves each
 weight by about lr x sign(gradient), which amplifies float rounding in near-zero gradients.)
 Run with DIGENRL_TEST_SEED=k to try another seed (the note reports seeds 0-4).
 
@@ -18,7 +20,7 @@ import os
 import pytest
 import torch
 
-from conftest import ROOT, checkpoint_weights, read_metrics, run_main
+from conftest import checkpoint_weights, read_metrics, run_forked
 
 pytestmark = pytest.mark.timeout(900)
 SEED = os.environ.get("DIGENRL_TEST_SEED", "3")
@@ -77,7 +79,7 @@ def run_case(tiny_cache, tmp_path_factory):
 
     def run(name):
         if name not in done:
-            run_main([*COMMON, *{**CASES, **CLIPPED}[name], "--run-name", name], out, tiny_cache)
+            run_forked([*COMMON, *{**CASES, **CLIPPED}[name]], out, name, tiny_cache)
             done[name] = (checkpoint_weights(os.path.join(out, name), 1), read_metrics(os.path.join(out, name)))
         return done[name]
     return run
@@ -160,9 +162,6 @@ def test_the_step_changed_the_weights(run_case, initial):
 # TAG and TCSS at scripted moments (tests/inject/scripted_schedule.py): TAG's predictor gets scripted times and
 # decides at each step boundary, TCSS's generate-ahead is awaited; so TAG and stale fragments occur whatever the
 # machine's speed (they used to depend on timing: many sampling steps, few trained, and luck).
-SCRIPTED = {"PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "tests", "inject"), ROOT,
-                                           os.environ.get("PYTHONPATH", "")]),
-            "DIGENRL_TEST_INJECT": "scripted_schedule"}
 TAG_COMMON = ["--steps", "3", "--prompts-per-step", "4", "--group-size", "2", "--num-steps", "3",
               "--fragment-groups", "2", "--eval-every", "0", "--save-every", "3", "--seed", SEED, "--timeout-s", "60",
               "--optimizer", "sgd", "--lr", "1", "--no-trace", "--updates-per-batch", "2"]
@@ -171,12 +170,13 @@ TAG_COMMON = ["--steps", "3", "--prompts-per-step", "4", "--group-size", "2", "-
 def test_tag_acts_and_the_update_is_unchanged(tiny_cache, tmp_path, initial):
     """TAG changes who generates, never what: catches TAG fragments of other trajectories, of the wrong weights
     version, counted twice or trained with other weights than the rollout's would be."""
-    run_main([*TAG_COMMON, "--mode", "colocated", "--nproc", "1", "--run-name", "reference"], tmp_path, tiny_cache)
-    run_main([*TAG_COMMON, *DISAGG, "--tsp", "--tag", "--nproc", "2", "--run-name", "tag"], tmp_path, tiny_cache,
-             env=SCRIPTED)
+    run_forked([*TAG_COMMON, "--mode", "colocated", "--nproc", "1"], tmp_path, "reference", tiny_cache)
+    run_forked([*TAG_COMMON, *DISAGG, "--tsp", "--tag", "--nproc", "2"], tmp_path, "tag", tiny_cache, scripted=True)
     rows, ref_rows = read_metrics(tmp_path / "tag"), read_metrics(tmp_path / "reference")
     assert [r["tag_fragments"] for r in rows] == [0, 1, 1], "scripted: TAG generates steps 1 and 2 whole"
     assert all(r["trajectories"] == 8 for r in rows)  # TAG changes who generates, not how much
+    # without TCSS nothing is ever stale, TAG's fragments included (test_tcss_staleness_... checks TCSS's bound)
+    assert all(r["staleness_mean"] == 0 and r["stale_fragments"] == 0 for r in rows), rows
     for row, ref in zip(rows, ref_rows):
         assert row["reward_mean"] == pytest.approx(ref["reward_mean"], abs=1e-6)
     # three steps at lr 1: the later gradients are taken at weights that already differ by rounding
@@ -198,10 +198,9 @@ def test_tag_by_trajectories_splits_a_group_over_fsdp_trainers_and_the_update_is
             "--fragment-groups", "3", "--eval-every", "0", "--save-every", "2", "--seed", SEED,
             "--timeout-s", "60", "--optimizer", "sgd", "--lr", "1",
             "--per-prompt-stat-tracking"]  # a share (part of a group) must not be posted as whole groups
-    run_main([*args, "--mode", "colocated", "--nproc", "1", "--no-trace",
-              "--run-name", "reference"], tmp_path, tiny_cache)
-    run_main([*args, *DISAGG, "--tsp", "--tsp-pack", "3", "--tag", "--fsdp", "--nproc", "3",
-              "--run-name", "split"], tmp_path, tiny_cache, env=SCRIPTED)
+    run_forked([*args, "--mode", "colocated", "--nproc", "1", "--no-trace"], tmp_path, "reference", tiny_cache)
+    run_forked([*args, *DISAGG, "--tsp", "--tsp-pack", "3", "--tag", "--fsdp", "--nproc", "3"], tmp_path, "split",
+            tiny_cache, scripted=True)
     rows, ref_rows = read_metrics(tmp_path / "split"), read_metrics(tmp_path / "reference")
     assert [r["tag_fragments"] for r in rows] == [0, 1], "scripted: TAG generates step 1"
     events = json.loads((tmp_path / "split" / "trace.json").read_text())["traceEvents"]
@@ -219,15 +218,14 @@ def test_tag_by_trajectories_splits_a_group_over_fsdp_trainers_and_the_update_is
 def test_tcss_staleness_is_zero_or_one_and_bounded(tiny_cache, tmp_path):
     steps = ["--steps", "4", "--prompts-per-step", "3", "--group-size", "3", "--num-steps", "3", "--eval-every", "0",
              "--save-every", "0", "--timeout-s", "60", "--nproc", "2", "--no-trace", "--updates-per-batch", "2"]
-    run_main([*steps, "--mode", "digenrl", "--max-stale-fragments", "1", "--run-name", "tcss"], tmp_path, tiny_cache,
-             env=SCRIPTED)  # a stale fragment in every step after the first, whatever the timing
-    run_main([*steps, "--placement", "disaggregated", "--gap", "--tsp", "--run-name", "sync"], tmp_path, tiny_cache)
+    run_forked([*steps, "--mode", "digenrl", "--max-stale-fragments", "1"], tmp_path, "tcss", tiny_cache,
+            scripted=True)  # a stale fragment in every step after the first, whatever the timing
+    # (that a synchronous run is never stale: test_tag_acts_..., whose GAP + TSP + TAG run has no TCSS)
     rows = read_metrics(tmp_path / "tcss")
     assert all(0 <= r["staleness_mean"] <= 1 for r in rows)
     assert all(r["stale_fragments"] <= 1 for r in rows)
     assert rows[0]["stale_fragments"] == 0  # nothing can be stale before the first update
     assert [r["stale_fragments"] for r in rows] == [0, 1, 1, 1], "scripted: one stale fragment per step after 0"
-    assert all(r["staleness_mean"] == 0 and r["stale_fragments"] == 0 for r in read_metrics(tmp_path / "sync"))
 
 
 @pytest.mark.parametrize("slow,acts", [("0=0.2", True), ("1=0.2", False)])
@@ -239,8 +237,8 @@ def test_digenrl_tag_acts_exactly_when_the_trainers_would_idle(tiny_cache, tmp_p
     head of a step) and one that claims when it only delays training."""
     args = ["--mode", "digenrl", "--nproc", "2", "--steps", "6", "--prompts-per-step", "4", "--group-size", "2",
             "--num-steps", "6", "--fragment-groups", "1", "--eval-every", "0", "--save-every", "0",
-            "--timeout-s", "60", "--no-trace", "--rank-speed", slow, "--run-name", "run"]
-    run_main(args, tmp_path, tiny_cache)
+            "--timeout-s", "60", "--no-trace", "--rank-speed", slow]
+    run_forked(args, tmp_path, "run", tiny_cache)
     claims = [r["tag_fragments"] for r in read_metrics(tmp_path / "run")][1:]  # step 0 measures the costs
     if acts:
         assert sum(c > 0 for c in claims) >= len(claims) // 2, claims

@@ -1,8 +1,9 @@
 """The offline pre-training of the tiny pipelines (models/pretrain.py) and the demo it enables.
 
 The slow part is one full build of the default tiny FLUX pipeline (what `python main.py --model flux` uses, about
-45 s on one CPU thread), shared by the module: its samples must be structured images whose colour varies with the
-seed but not with the colour word, and a short RL run on it must start following the colour word.
+45 s on one CPU thread), shared by the module and kept in the test cache under a key of its inputs: its samples
+must be structured images whose colour varies with the seed but not with the colour word, and a short RL run on it
+must start following the colour word.
 """
 import os
 
@@ -98,11 +99,32 @@ def test_variant_from_the_environment(monkeypatch):
 
 
 # --- the default demo's pipeline ------------------------------------------------------------------
+def demo_cache_key() -> str:
+    """What the demo pipeline is made of: every file of models/ (the families, pre-training, the tiny text
+    encoders) and the versions of the libraries whose classes and random streams build it. A change to any of
+    them builds it again; the same inputs build the same files (test_pretraining_is_seeded_...)."""
+    import hashlib
+
+    import diffusers
+    import transformers
+
+    from conftest import ROOT
+    digest = hashlib.sha256(f"{torch.__version__} {diffusers.__version__} {transformers.__version__}".encode())
+    models_dir = os.path.join(ROOT, "models")
+    for name in sorted(os.listdir(models_dir)):
+        if name.endswith(".py"):
+            with open(os.path.join(models_dir, name), "rb") as f:
+                digest.update(name.encode() + b"\0" + f.read())
+    return digest.hexdigest()[:16]
+
+
 @pytest.fixture(scope="module")
-def demo_pipeline(tmp_path_factory):
-    """The default (fully pre-trained) tiny FLUX pipeline, built where `python main.py` builds it (a cache
-    folder of its own), and a random one."""
-    cache = str(tmp_path_factory.mktemp("demo-cache"))
+def demo_pipeline(tiny_cache, tmp_path_factory):
+    """The default (fully pre-trained) tiny FLUX pipeline, built where `python main.py` builds it (models.
+    tiny_pipeline_path into a cache folder of its own), and a random one. Its build is the suite's slowest step
+    (~170 s on a core), so the cache folder is kept in the test cache under a key of its inputs (demo_cache_key):
+    built once per change of models/ or of the libraries, not once per run."""
+    cache = os.path.join(tiny_cache, f"demo-{demo_cache_key()}")
     previous = os.environ.get("DIGENRL_TINY_PRETRAIN")
     os.environ["DIGENRL_TINY_PRETRAIN"] = "full"
     try:

@@ -20,7 +20,7 @@ import gap
 import main
 import rewards
 from infra import rundir as runio
-from conftest import ROOT, checkpoint_weights, rank_pids, read_metrics, run_main
+from conftest import ROOT, checkpoint_weights, rank_pids, read_metrics, run_forked, run_main
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -192,7 +192,7 @@ def setup(tmp_path_factory, tiny_cache):
 
 def test_nan_reward_skips_the_step_and_training_continues(setup):
     folder = setup["folder"]
-    run_main(["--mode", "digenrl", *setup["args"], *setup["score"], "--run-name", "poisoned"], folder, setup["cache"])
+    run_forked(["--mode", "digenrl", *setup["args"], *setup["score"]], folder, "poisoned", setup["cache"])
     run = folder / "poisoned"
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == list(range(STEPS))
