@@ -9,7 +9,7 @@ import sys
 from conftest import ROOT
 
 # importable name -> distribution name, where they differ
-DISTRIBUTION = {"PIL": "pillow"}
+DISTRIBUTION = {"PIL": "pillow", "xdist": "pytest-xdist"}  # import name -> the distribution that provides it
 # installed by a listed package (transformers / diffusers require them): imported directly, not pinned here
 TRANSITIVE = {"huggingface_hub", "tokenizers", "packaging"}
 # listed, never imported by name: the real pipelines' tokenizers (T5's sentencepiece and its protobuf) and
