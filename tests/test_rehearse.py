@@ -126,3 +126,31 @@ def test_lora_is_what_the_arithmetic_says(tmp_path):
     held = leader["held_at_end_of"]["optimizer"]["device"] * GIB
     assert held == pytest.approx(states, rel=0.10), (held / GIB, states / GIB)
     assert leader["traffic_bytes"]["publish sent"] == pytest.approx(3 * 4 * adapters, rel=0.01)
+
+
+def test_a_frozen_copy_of_a_module_with_fake_buffers_keeps_the_rank_s_mode():
+    """Catches the rehearsal failing Wan2.1's full fine-tuning: models.frozen_copy (the KL reference
+    of trainer.shard_for_fsdp) deep-copies the transformer's buffers (Wan's rotary tables are
+    buffers; FLUX's and Qwen-Image's are computed per forward), and a fake tensor's deep copy
+    deep-copies its fake mode, whose per-thread state cannot be copied ("cannot pickle
+    '_thread._local'"). A copied buffer must be a fake tensor of the same mode (tensors of two fake
+    modes in one op raise), and its storage counted as the rank's."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    import models
+    from tools.rehearsal import tensors
+
+    holdings = tensors.Holdings("rank 0")
+    mode = tensors.RealSmallMode(holdings)
+    with mode:
+        module = torch.nn.Linear(4, 4)
+        module.register_buffer("table", torch.empty(tensors.REAL_BYTES // 4 + 1))  # large: fake
+        assert isinstance(module.table, FakeTensor)
+        held = holdings.live["host"]
+        reference = models.frozen_copy(module, torch.bfloat16, on_meta=True)
+        assert isinstance(reference.table, FakeTensor) and reference.table is not module.table
+        assert reference.table.fake_mode is mode
+        assert holdings.live["host"] - held == module.table.nbytes
+        assert reference.weight.is_meta and not reference.weight.requires_grad
+        (reference.table + module.table).sum()  # one mode: no "mixing fake modes"

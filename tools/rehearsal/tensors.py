@@ -77,6 +77,13 @@ class RealSmallMode(FakeTensorMode):
         self.on_activity = lambda: None  # any op: the rehearsal's deadlock watch
         self.blind_reads: dict[str, int] = {}  # call site -> reads of device-only values
 
+    def __deepcopy__(self, memo) -> "RealSmallMode":
+        """The mode itself: copy.deepcopy of a fake tensor copies its __dict__, fake_mode included
+        (models.frozen_copy copies a transformer's buffers: Wan's rotary tables), and the copy must
+        belong to the rank's mode (tensors of two fake modes in one op raise; the per-thread state
+        here cannot be copied at all)."""
+        return self
+
     @property
     def in_kernel_invocation(self) -> bool:
         """FakeTensorMode's flag "inside a meta kernel" (fake tensors then say they are on "meta"),
