@@ -297,6 +297,7 @@ def table(path: str, models: list[str], extra: list[str]) -> int:
             with open(path, "w") as f:
                 json.dump(rows, f, indent=1)
             print(markdown(rows), flush=True)
+    print(f"docs/RESULTS.md 5b:\n{markdown(rows)}\n\nREADME:\n{markdown(rows, brief=True)}")
     return 0
 
 
@@ -318,22 +319,55 @@ def table_row(report: dict) -> dict:
             "trainer_peak_phase": max(leader["phases"].items(), key=lambda kv: kv[1]["device"])[0],
             "h200_rollout_s": rollout["h200"].get("seconds_by_phase"),
             "h200_trainer_s": leader["h200"].get("seconds_by_phase"),
+            "lora_rank": cfg["lora_rank"] if cfg["lora"] else None,
             "failed": report["jobs"]["run"]["failed"] or report["jobs"].get("resume", {}).get(
                 "failed")}
 
 
-def markdown(rows: dict) -> str:
-    lines = ["| model | training | size, G, pack | rollout rank GiB (peak in) | trainer rank GiB "
-             "(peak in) | host GiB: rollout / leader | fits 80 GB / 141 GB |",
-             "|---|---|---|---|---|---|---|"]
-    for key, r in rows.items():
+NAMES = {"flux": "FLUX.1-dev", "qwenimage": "Qwen-Image", "wan": "Wan2.1-14B",
+         "hunyuanvideo": "HunyuanVideo", "sd3": "SD3.5-Medium"}
+
+
+def _training(model: str, key: str, row: dict) -> str:
+    """The row's training as the tables say it: LoRA with its rank (the row's; rows rehearsed
+    before it was kept: the family's preset, which is what config.resolve gave them), or full."""
+    if key.startswith("LoRA"):
+        rank = row.get("lora_rank")
+        if rank is None:
+            from models import lora
+            rank = lora.preset(model).rank
+        return f"LoRA r{rank}" + (", `--grad-ckpt`" if "--grad-ckpt" in key else "")
+    trainers = int(TABLE_WORLD[1]) - int(TABLE_WORLD[3])
+    return f"full, `--fsdp --grad-ckpt` (K = {trainers})"
+
+
+def markdown(rows: dict, brief: bool = False) -> str:
+    """The rows as docs/RESULTS.md 5b's table, or (`brief`) as the README's."""
+    if brief:
+        lines = ["| model | training | rollout rank GiB | trainer rank GiB | fits 80 GB / 141 GB |",
+                 "|---|---|---|---|---|"]
+    else:
+        lines = ["| model | training | size, G, pack | rollout rank GiB (peak in) | trainer rank "
+                 "GiB (peak in) | host GiB: rollout / leader | fits 80 GB / 141 GB |",
+                 "|---|---|---|---|---|---|---|"]
+    ordered = sorted(rows.items(), key=lambda kv: (FAMILY_ORDER.index(kv[0].split(" | ")[0]), [
+        name for name, _ in TABLE_ROWS].index(kv[0].split(" | ")[1])))
+    for key, r in ordered:
         model, name = key.split(" | ")
+        label = f"{NAMES[model]} ({r['resolution']})" if brief and "resolution" in r else (
+            NAMES[model] if brief else model)
+        training = _training(model, name, r)
         if r.get("failed"):
-            lines.append(f"| {model} | {name} | | failed | | | |")
+            lines.append(f"| {label} | {training} | " + ("failed | | |" if brief
+                                                          else "| failed | | | |"))
             continue
         worst = max(r["rollout_device_gib"], r["trainer_device_gib"]) + RESERVE_GIB
         fits = " / ".join("yes" if worst <= cap else "no" for cap in GPU_GIB.values())
-        lines.append(f"| {model} | {name} | {r['resolution']}, {r['group_size']}, "
+        if brief:
+            lines.append(f"| {label} | {training} | {r['rollout_device_gib']:.1f} | "
+                         f"{r['trainer_device_gib']:.1f} | {fits} |")
+            continue
+        lines.append(f"| {model} | {training} | {r['resolution']}, {r['group_size']}, "
                      f"{r['tsp_pack']} | {r['rollout_device_gib']:.1f} ({r['rollout_peak_phase']})"
                      f" | {r['trainer_device_gib']:.1f} ({r['trainer_peak_phase']}) | "
                      f"{r['rollout_host_gib']:.1f} / {r['leader_host_gib']:.1f} | {fits} |")
