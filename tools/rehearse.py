@@ -294,11 +294,28 @@ def table(path: str, models: list[str], extra: list[str]) -> int:
                 os.remove(out)
             rows[key]["command"] = "python tools/rehearse.py " + " ".join(command[2:-2])
             rows[key]["seconds"] = time.perf_counter() - start
+            rows[key]["code"] = code_version()
             with open(path, "w") as f:
                 json.dump(rows, f, indent=1)
             print(markdown(rows), flush=True)
     print(f"docs/RESULTS.md 5b:\n{markdown(rows)}\n\nREADME:\n{markdown(rows, brief=True)}")
     return 0
+
+
+def code_version() -> str:
+    """The commit the rehearsal ran ("+ changes" when the work tree differed): a row's figures are
+    those of the rehearsal's code then (rows of older code are marked in the tables)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
+                              capture_output=True, timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "tools", "models", "*.py"],
+                               cwd=root, text=True, capture_output=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + (" + changes" if dirty else "")
 
 
 def table_row(report: dict) -> dict:
