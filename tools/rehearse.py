@@ -428,7 +428,8 @@ def profile_check(path: str) -> int:
                           if r["role"] == "leader")
             rows[key] = {"rehearsed_gib": leader["phases"]["train"]["device"] - others,
                          "measured_gib": measured[(res, bs, ckpt)],
-                         "command": "python tools/rehearse.py " + " ".join(flags[:-3])}
+                         "command": "python tools/rehearse.py " + " ".join(flags[:-3]),
+                         "code": code_version()}
             os.remove(out)
             with open(path, "w") as f:
                 json.dump(rows, f, indent=1)
