@@ -71,6 +71,8 @@ def parse(argv):
                         "tools/profiles/h200_flux1dev_12b.json, measured with bf16 adapters")
     p.add_argument("--table", default=None, metavar="JSON",
                    help="rehearse every family with LoRA and full fine-tuning; write the rows here")
+    p.add_argument("--markdown", action="store_true",
+                   help="with --table: print its tables from the JSON, rehearse nothing")
     p.add_argument("--profile-check", default=None, metavar="JSON",
                    help="the trainer's training-pack peak against tools/profiles/"
                         "h200_flux1dev_12b.json's measured rows (LoRA r32 on the attention, bf16 "
@@ -302,6 +304,17 @@ def table(path: str, models: list[str], extra: list[str]) -> int:
     return 0
 
 
+# what the rehearsal counts: 2 since an op that is one kernel on the device holds only its outputs
+# (tensors._fused); rows of version 1 count decomposition temporaries too (their peaks run high)
+ACCOUNTING = 2
+
+
+def _accounting(row: dict) -> int:
+    """A row's ACCOUNTING (rows from before the field: 2 when they carry their commit, which rows
+    have since the change, else 1)."""
+    return row.get("accounting", 2 if "code" in row else 1)
+
+
 def code_version() -> str:
     """The commit the rehearsal ran ("+ changes" when the work tree differed): a row's figures are
     those of the rehearsal's code then (rows of older code are marked in the tables)."""
@@ -336,7 +349,7 @@ def table_row(report: dict) -> dict:
             "trainer_peak_phase": max(leader["phases"].items(), key=lambda kv: kv[1]["device"])[0],
             "h200_rollout_s": rollout["h200"].get("seconds_by_phase"),
             "h200_trainer_s": leader["h200"].get("seconds_by_phase"),
-            "lora_rank": cfg["lora_rank"] if cfg["lora"] else None,
+            "lora_rank": cfg["lora_rank"] if cfg["lora"] else None, "accounting": ACCOUNTING,
             "failed": report["jobs"]["run"]["failed"] or report["jobs"].get("resume", {}).get(
                 "failed")}
 
@@ -373,7 +386,7 @@ def markdown(rows: dict, brief: bool = False) -> str:
         model, name = key.split(" | ")
         label = f"{NAMES[model]} ({r['resolution']})" if brief and "resolution" in r else (
             NAMES[model] if brief else model)
-        training = _training(model, name, r)
+        training = _training(model, name, r) + (" (*)" if _accounting(r) < ACCOUNTING else "")
         if r.get("failed"):
             lines.append(f"| {label} | {training} | " + ("failed | | |" if brief
                                                           else "| failed | | | |"))
@@ -388,6 +401,10 @@ def markdown(rows: dict, brief: bool = False) -> str:
                      f"{r['tsp_pack']} | {r['rollout_device_gib']:.1f} ({r['rollout_peak_phase']})"
                      f" | {r['trainer_device_gib']:.1f} ({r['trainer_peak_phase']}) | "
                      f"{r['rollout_host_gib']:.1f} / {r['leader_host_gib']:.1f} | {fits} |")
+    if any(_accounting(r) < ACCOUNTING for r in rows.values()):
+        lines.append("\n(*) rehearsed before a fused kernel counted only its outputs: the peaks "
+                     "include temporaries of torch's Python decompositions and run high (delete "
+                     "the row from the JSON and run `--table` again)")
     return "\n".join(lines)
 
 
@@ -455,6 +472,11 @@ def main(argv=None) -> int:
             "--model") + 1]]
         extra = [a for i, a in enumerate(rest) if a != "--model" and (i == 0 or rest[i - 1]
                                                                       != "--model")]
+        if args.markdown:
+            rows = json.load(open(args.table))
+            print(f"docs/RESULTS.md 5b:\n{markdown(rows)}\n\nREADME:\n"
+                  f"{markdown(rows, brief=True)}")
+            return 0
         return table(args.table, models, extra)
     try:
         cfg = resolve(rest)
