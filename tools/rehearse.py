@@ -430,6 +430,8 @@ def profile_check(path: str) -> int:
     others = 2 * (pipeline.text_encoder_params("flux") + pipeline.FAMILIES["flux"]["others"][
         "VAE"]) / GIB
     rows = json.load(open(path)) if os.path.isfile(path) else {}
+    print("| FLUX.1-dev, LoRA r32 (bf16), one pack | rehearsed GiB | H200 measured GiB | "
+          "rehearsed vs measured |\n|---|---|---|---|", flush=True)
     for res, bs, ckpt in PROFILE_ROWS:
         key = f"{res} px, pack {bs}{', --grad-ckpt' if ckpt else ''}"
         if key not in rows:
