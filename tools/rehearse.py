@@ -401,10 +401,10 @@ def markdown(rows: dict, brief: bool = False) -> str:
                      f"{r['tsp_pack']} | {r['rollout_device_gib']:.1f} ({r['rollout_peak_phase']})"
                      f" | {r['trainer_device_gib']:.1f} ({r['trainer_peak_phase']}) | "
                      f"{r['rollout_host_gib']:.1f} / {r['leader_host_gib']:.1f} | {fits} |")
-    if any(_accounting(r) < ACCOUNTING for r in rows.values()):
+    if not brief and any(_accounting(r) < ACCOUNTING for r in rows.values()):
         lines.append("\n(*) rehearsed before a fused kernel counted only its outputs: the peaks "
-                     "include temporaries of torch's Python decompositions and run high (delete "
-                     "the row from the JSON and run `--table` again)")
+                     "include\ntemporaries of torch's Python decompositions and run high (delete "
+                     "the row, run `--table`).")
     return "\n".join(lines)
 
 
