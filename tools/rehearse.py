@@ -71,6 +71,8 @@ def parse(argv):
                         "tools/profiles/h200_flux1dev_12b.json, measured with bf16 adapters")
     p.add_argument("--table", default=None, metavar="JSON",
                    help="rehearse every family with LoRA and full fine-tuning; write the rows here")
+    p.add_argument("--markdown", action="store_true",
+                   help="with --table: print its tables from the JSON, rehearse nothing")
     p.add_argument("--profile-check", default=None, metavar="JSON",
                    help="the trainer's training-pack peak against tools/profiles/"
                         "h200_flux1dev_12b.json's measured rows (LoRA r32 on the attention, bf16 "
@@ -295,10 +297,39 @@ def table(path: str, models: list[str], extra: list[str]) -> int:
                 os.remove(out)
             rows[key]["command"] = "python tools/rehearse.py " + " ".join(command[2:-2])
             rows[key]["seconds"] = time.perf_counter() - start
+            rows[key]["code"] = code_version()
             with open(path, "w") as f:
                 json.dump(rows, f, indent=1)
             print(markdown(rows), flush=True)
+    print(f"docs/RESULTS.md 5b:\n{markdown(rows)}\n\nREADME:\n{markdown(rows, brief=True)}")
     return 0
+
+
+# what the rehearsal counts: 2 since an op that is one kernel on the device holds only its outputs
+# (tensors._fused); rows of version 1 count decomposition temporaries too (their peaks run high)
+ACCOUNTING = 2
+
+
+def _accounting(row: dict) -> int:
+    """A row's ACCOUNTING (rows from before the field: 2 when they carry their commit, which rows
+    have since the change, else 1)."""
+    return row.get("accounting", 2 if "code" in row else 1)
+
+
+def code_version() -> str:
+    """The commit the rehearsal ran ("+ changes" when the work tree differed): a row's figures are
+    those of the rehearsal's code then (rows of older code are marked in the tables)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
+                              capture_output=True, timeout=30).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "tools", "models", "*.py"],
+                               cwd=root, text=True, capture_output=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + (" + changes" if dirty else "")
 
 
 def table_row(report: dict) -> dict:
@@ -319,25 +350,62 @@ def table_row(report: dict) -> dict:
             "trainer_peak_phase": max(leader["phases"].items(), key=lambda kv: kv[1]["device"])[0],
             "h200_rollout_s": rollout["h200"].get("seconds_by_phase"),
             "h200_trainer_s": leader["h200"].get("seconds_by_phase"),
+            "lora_rank": cfg["lora_rank"] if cfg["lora"] else None, "accounting": ACCOUNTING,
             "failed": report["jobs"]["run"]["failed"] or report["jobs"].get("resume", {}).get(
                 "failed")}
 
 
-def markdown(rows: dict) -> str:
-    lines = ["| model | training | size, G, pack | rollout rank GiB (peak in) | trainer rank GiB "
-             "(peak in) | host GiB: rollout / leader | fits 80 GB / 141 GB |",
-             "|---|---|---|---|---|---|---|"]
-    for key, r in rows.items():
+NAMES = {"flux": "FLUX.1-dev", "qwenimage": "Qwen-Image", "wan": "Wan2.1-14B",
+         "hunyuanvideo": "HunyuanVideo", "sd3": "SD3.5-Medium"}
+
+
+def _training(model: str, key: str, row: dict) -> str:
+    """The row's training as the tables say it: LoRA with its rank (the row's; rows rehearsed
+    before it was kept: the family's preset, which is what config.resolve gave them), or full."""
+    if key.startswith("LoRA"):
+        rank = row.get("lora_rank")
+        if rank is None:
+            from models import lora
+            rank = lora.preset(model).rank
+        return f"LoRA r{rank}" + (", `--grad-ckpt`" if "--grad-ckpt" in key else "")
+    trainers = int(TABLE_WORLD[1]) - int(TABLE_WORLD[3])
+    return f"full, `--fsdp --grad-ckpt` (K = {trainers})"
+
+
+def markdown(rows: dict, brief: bool = False) -> str:
+    """The rows as docs/RESULTS.md 5b's table, or (`brief`) as the README's."""
+    if brief:
+        lines = ["| model | training | rollout rank GiB | trainer rank GiB | fits 80 GB / 141 GB |",
+                 "|---|---|---|---|---|"]
+    else:
+        lines = ["| model | training | size, G, pack | rollout rank GiB (peak in) | trainer rank "
+                 "GiB (peak in) | host GiB: rollout / leader | fits 80 GB / 141 GB |",
+                 "|---|---|---|---|---|---|---|"]
+    ordered = sorted(rows.items(), key=lambda kv: (FAMILY_ORDER.index(kv[0].split(" | ")[0]), [
+        name for name, _ in TABLE_ROWS].index(kv[0].split(" | ")[1])))
+    for key, r in ordered:
         model, name = key.split(" | ")
+        label = f"{NAMES[model]} ({r['resolution']})" if brief and "resolution" in r else (
+            NAMES[model] if brief else model)
+        training = _training(model, name, r) + (" (*)" if _accounting(r) < ACCOUNTING else "")
         if r.get("failed"):
-            lines.append(f"| {model} | {name} | | failed | | | |")
+            lines.append(f"| {label} | {training} | " + ("failed | | |" if brief
+                                                          else "| failed | | | |"))
             continue
         worst = max(r["rollout_device_gib"], r["trainer_device_gib"]) + RESERVE_GIB
         fits = " / ".join("yes" if worst <= cap else "no" for cap in GPU_GIB.values())
-        lines.append(f"| {model} | {name} | {r['resolution']}, {r['group_size']}, "
+        if brief:
+            lines.append(f"| {label} | {training} | {r['rollout_device_gib']:.1f} | "
+                         f"{r['trainer_device_gib']:.1f} | {fits} |")
+            continue
+        lines.append(f"| {model} | {training} | {r['resolution']}, {r['group_size']}, "
                      f"{r['tsp_pack']} | {r['rollout_device_gib']:.1f} ({r['rollout_peak_phase']})"
                      f" | {r['trainer_device_gib']:.1f} ({r['trainer_peak_phase']}) | "
                      f"{r['rollout_host_gib']:.1f} / {r['leader_host_gib']:.1f} | {fits} |")
+    if not brief and any(_accounting(r) < ACCOUNTING for r in rows.values()):
+        lines.append("\n(*) rehearsed before a fused kernel counted only its outputs: the peaks "
+                     "include\ntemporaries of torch's Python decompositions and run high (delete "
+                     "the row, run `--table`).")
     return "\n".join(lines)
 
 
@@ -363,6 +431,8 @@ def profile_check(path: str) -> int:
     others = 2 * (pipeline.text_encoder_params("flux") + pipeline.FAMILIES["flux"]["others"][
         "VAE"]) / GIB
     rows = json.load(open(path)) if os.path.isfile(path) else {}
+    print("| FLUX.1-dev, LoRA r32 (bf16), one pack | rehearsed GiB | H200 measured GiB | "
+          "rehearsed vs measured |\n|---|---|---|---|", flush=True)
     for res, bs, ckpt in PROFILE_ROWS:
         key = f"{res} px, pack {bs}{', --grad-ckpt' if ckpt else ''}"
         if key not in rows:
@@ -378,7 +448,8 @@ def profile_check(path: str) -> int:
                           if r["role"] == "leader")
             rows[key] = {"rehearsed_gib": leader["phases"]["train"]["device"] - others,
                          "measured_gib": measured[(res, bs, ckpt)],
-                         "command": "python tools/rehearse.py " + " ".join(flags[:-3])}
+                         "command": "python tools/rehearse.py " + " ".join(flags[:-3]),
+                         "code": code_version()}
             os.remove(out)
             with open(path, "w") as f:
                 json.dump(rows, f, indent=1)
@@ -404,6 +475,11 @@ def main(argv=None) -> int:
             "--model") + 1]]
         extra = [a for i, a in enumerate(rest) if a != "--model" and (i == 0 or rest[i - 1]
                                                                       != "--model")]
+        if args.markdown:
+            rows = json.load(open(args.table))
+            print(f"docs/RESULTS.md 5b:\n{markdown(rows)}\n\nREADME:\n"
+                  f"{markdown(rows, brief=True)}")
+            return 0
         return table(args.table, models, extra)
     try:
         cfg = resolve(rest)

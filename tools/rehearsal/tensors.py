@@ -77,6 +77,13 @@ class RealSmallMode(FakeTensorMode):
         self.on_activity = lambda: None  # any op: the rehearsal's deadlock watch
         self.blind_reads: dict[str, int] = {}  # call site -> reads of device-only values
 
+    def __deepcopy__(self, memo) -> "RealSmallMode":
+        """The mode itself: copy.deepcopy of a fake tensor copies its __dict__, fake_mode included
+        (models.frozen_copy copies a transformer's buffers: Wan's rotary tables), and the copy must
+        belong to the rank's mode (tensors of two fake modes in one op raise; the per-thread state
+        here cannot be copied at all)."""
+        return self
+
     @property
     def in_kernel_invocation(self) -> bool:
         """FakeTensorMode's flag "inside a meta kernel" (fake tensors then say they are on "meta"),
@@ -98,7 +105,8 @@ class RealSmallMode(FakeTensorMode):
         kwargs = kwargs or {}
         if getattr(self.nested, "depth", 0):  # a decomposition of a fake op: fake throughout
             out = super().__torch_dispatch__(func, types, args, kwargs)
-            self.holdings.track(out)
+            if not self.nested.fused:
+                self.holdings.track(out)
             return out
         with self.lock:
             self.on_activity()
@@ -120,7 +128,7 @@ class RealSmallMode(FakeTensorMode):
                 real := self._real_slice(func, args, kwargs)) is not None:
             return real
         else:
-            self.nested.depth = 1
+            self.nested.depth, self.nested.fused = 1, _fused(func)
             try:
                 out = super().__torch_dispatch__(func, types, args, kwargs)
             finally:
@@ -233,6 +241,23 @@ class RealSmallMode(FakeTensorMode):
                 return shadow
             return t
         return pytree.tree_map_only(FakeTensor, real, out)
+
+
+_FUSED: dict = {}
+
+
+def _fused(func) -> bool:
+    """Whether `func` is one kernel on a device (it has a backend kernel: CPU's stands for CUDA's,
+    which a CPU-only torch does not register), so that FakeTensorMode's Python decomposition of it
+    (no meta kernel: gelu_backward; addmm, layer norm and its backward in float32 steps) allocates
+    temporaries the real kernel does not: only its outputs count. An op composite on every backend
+    (_to_copy, slice_backward) runs its pieces on the GPU too: they count."""
+    if func not in _FUSED:
+        try:
+            _FUSED[func] = func.has_kernel_for_dispatch_key(torch._C.DispatchKey.CPU)
+        except RuntimeError:  # an operator the dispatcher does not list (prim::device): no kernel
+            _FUSED[func] = False
+    return _FUSED[func]
 
 
 def _to_shadow(value):
