@@ -63,14 +63,56 @@ def default_cache_dir() -> str:
     return os.environ.get("DIGENRL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "digenrl"))
 
 
+# The demo's pipeline ships with the project (models/demo/, 1.5 MB): its pre-training takes ~200 s on a core, paid
+# by every first `python main.py` and every fresh test cache. It is used only while the files that build it are
+# unchanged (build_inputs_key); otherwise it is built as any other tiny pipeline. tools/build_demo_pipeline.py
+# rebuilds it (and --check: a rebuild is the shipped files, byte for byte).
+SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "demo")
+SHIPPED = ("flux",)
+BUILD_SOURCES = ("pretrain.py", "tiny_text.py")  # + the family's own file
+
+
+def build_inputs_key(name: str) -> str:
+    """What a fully pre-trained tiny pipeline of `name` is made of: the files that build it (models/pretrain.py,
+    models/tiny_text.py, the family's file) and the releases of the libraries whose classes and random streams
+    build it. The same key builds the same files (tests/test_pretrain.py: seeded, file for file)."""
+    import hashlib
+
+    import diffusers
+    import transformers
+
+    release = torch.__version__.split("+")[0]  # a CUDA build's CPU kernels are the CPU build's
+    digest = hashlib.sha256(f"{release} {diffusers.__version__} {transformers.__version__}".encode())
+    here = os.path.dirname(os.path.abspath(__file__))
+    for source in (*BUILD_SOURCES, f"{name}.py"):
+        with open(os.path.join(here, source), "rb") as f:
+            digest.update(source.encode() + b"\0" + f.read())
+    return digest.hexdigest()[:16]
+
+
+def shipped_pipeline_path(name: str) -> str | None:
+    """The shipped pre-trained pipeline of `name` if there is one and it is what the current files build, else None."""
+    path = os.path.join(SHIPPED_DIR, f"tiny-{name}-v3")
+    try:
+        with open(f"{path}.key") as f:
+            shipped_key = f.read().strip()
+    except OSError:
+        return None
+    ok = shipped_key == build_inputs_key(name) and os.path.isfile(os.path.join(path, "model_index.json"))
+    return path if ok else None
+
+
 def tiny_pipeline_path(name: str, cache_dir: str | None = None) -> str:
     """Build the tiny pipeline of a family once into the cache folder; return its path.
 
-    It is pre-trained on synthetic images (models/pretrain.py) unless $DIGENRL_TINY_PRETRAIN says otherwise."""
+    It is pre-trained on synthetic images (models/pretrain.py) unless $DIGENRL_TINY_PRETRAIN says otherwise; the
+    fully pre-trained demo pipeline is the shipped one while it is current (shipped_pipeline_path)."""
     from . import pretrain
 
     family = get_family(name)
     variant = pretrain.variant_from_env()
+    if variant == "full" and name in SHIPPED and (shipped := shipped_pipeline_path(name)):
+        return shipped
     # v3: pre-trained on synthetic images (faint caption match, wider video models); bump whenever what
     # build_tiny makes changes.
     suffix = "" if variant == "full" else f"-{variant}"

@@ -1,9 +1,9 @@
 """The offline pre-training of the tiny pipelines (models/pretrain.py) and the demo it enables.
 
-The slow part is one full build of the default tiny FLUX pipeline (what `python main.py --model flux` uses, about
-45 s on one CPU thread), shared by the module and kept in the test cache under a key of its inputs: its samples
-must be structured images whose colour varies with the seed but not with the colour word, and a short RL run on it
-must start following the colour word.
+The default tiny FLUX pipeline (what `python main.py --model flux` uses) ships pre-trained in models/demo/ (its
+build takes ~200 s on a core: tools/build_demo_pipeline.py); the tests check it is what the current files build,
+that its samples are structured images whose colour varies with the seed but not with the colour word, and that a
+short RL run on it starts following the colour word. The pre-training's code runs here in short seeded builds.
 """
 import os
 
@@ -99,32 +99,40 @@ def test_variant_from_the_environment(monkeypatch):
 
 
 # --- the default demo's pipeline ------------------------------------------------------------------
-def demo_cache_key() -> str:
-    """What the demo pipeline is made of: every file of models/ (the families, pre-training, the tiny text
-    encoders) and the versions of the libraries whose classes and random streams build it. A change to any of
-    them builds it again; the same inputs build the same files (test_pretraining_is_seeded_...)."""
-    import hashlib
+def test_the_shipped_demo_pipeline_is_what_the_current_files_build():
+    """models/demo/ ships the demo's pre-trained pipeline (its build takes ~200 s on a core) with the key of what
+    built it (models.build_inputs_key: models/pretrain.py, models/tiny_text.py, models/flux.py, the libraries).
+    Catches an edit to those files without rebuilding it: `python main.py` would quietly pre-train again on every
+    fresh cache (and so would this suite). Rebuild: `python tools/build_demo_pipeline.py` (and check a rebuild is
+    the shipped files byte for byte: `--check`)."""
+    with open(os.path.join(models.SHIPPED_DIR, "tiny-flux-v3.key")) as f:
+        shipped = f.read().strip()
+    assert shipped == models.build_inputs_key("flux"), \
+        "models/demo/tiny-flux-v3 is stale: run `python tools/build_demo_pipeline.py` and commit models/demo/"
+    assert models.shipped_pipeline_path("flux") is not None
 
-    import diffusers
-    import transformers
 
-    from conftest import ROOT
-    digest = hashlib.sha256(f"{torch.__version__} {diffusers.__version__} {transformers.__version__}".encode())
-    models_dir = os.path.join(ROOT, "models")
-    for name in sorted(os.listdir(models_dir)):
-        if name.endswith(".py"):
-            with open(os.path.join(models_dir, name), "rb") as f:
-                digest.update(name.encode() + b"\0" + f.read())
-    return digest.hexdigest()[:16]
+def test_a_changed_build_input_makes_the_shipped_pipeline_unused(tmp_path, monkeypatch):
+    """Another key (an edited pretrain.py, other library releases) -> the pipeline is built into the cache, as
+    every other tiny pipeline; with the key unchanged the shipped folder is used and nothing is built."""
+    monkeypatch.setenv("DIGENRL_TINY_PRETRAIN", "full")
+    assert models.tiny_pipeline_path("flux", str(tmp_path)) == models.shipped_pipeline_path("flux")
+    assert not os.listdir(tmp_path)
+    monkeypatch.setattr(models, "build_inputs_key", lambda name: "0" * 16)
+    assert models.shipped_pipeline_path("flux") is None
+    built = []
+    monkeypatch.setattr(models.get_family("flux"), "build_tiny",
+                        lambda path, pretrain_config=None: (built.append(pretrain_config), os.makedirs(path),
+                                                            open(os.path.join(path, "model_index.json"), "w").close()))
+    path = models.tiny_pipeline_path("flux", str(tmp_path))
+    assert path == str(tmp_path / "tiny-flux-v3") and len(built) == 1 and built[0].flow_steps == 1000
 
 
 @pytest.fixture(scope="module")
 def demo_pipeline(tiny_cache, tmp_path_factory):
-    """The default (fully pre-trained) tiny FLUX pipeline, built where `python main.py` builds it (models.
-    tiny_pipeline_path into a cache folder of its own), and a random one. Its build is the suite's slowest step
-    (~170 s on a core), so the cache folder is kept in the test cache under a key of its inputs (demo_cache_key):
-    built once per change of models/ or of the libraries, not once per run."""
-    cache = os.path.join(tiny_cache, f"demo-{demo_cache_key()}")
+    """The default (fully pre-trained) tiny FLUX pipeline where `python main.py` finds it (the shipped one:
+    test_the_shipped_demo_pipeline_is_what_the_current_files_build), and a random one."""
+    cache = str(tmp_path_factory.mktemp("demo-cache"))
     previous = os.environ.get("DIGENRL_TINY_PRETRAIN")
     os.environ["DIGENRL_TINY_PRETRAIN"] = "full"
     try:
