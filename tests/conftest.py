@@ -112,17 +112,18 @@ def run_main(args, out_dir, cache, timeout=240, check=True, env=None):
     return proc
 
 
-def run_forked(args, out_dir, name, cache, scripted=False):
+def run_forked(args, out_dir, name, cache, scripted=False, env=None, comm_log=None, bound_s=800):
     """main.py's job for `args` as run <out_dir>/<name> (its ranks' output: <out_dir>/<name>.log), the ranks forked
     from one forkserver of this process that imported main.py and the tiny pipeline once (tests/stall_matrix.py
     run_job: cli.prepare, the run lock and infra.launch, as main.py does them): a job costs its ranks' work, not two
     fresh interpreters importing torch and diffusers. For tests of what a job computes; main.py's own command line,
     output and exit codes: run_main, as for a test that sets environment variables (the ranks have the forkserver's,
-    taken when this process first started it). `scripted`: TAG and TCSS at scripted moments
-    (tests/inject/scripted_schedule.py, imported by every rank)."""
+    taken when this process first started it, plus `env`). `scripted`: TAG and TCSS at scripted moments
+    (tests/inject/scripted_schedule.py, imported by every rank); `comm_log`: a folder for the ranks' records of
+    their torch.distributed calls (tests/inject/comm_recorder.py)."""
     import stall_matrix
 
-    job = stall_matrix.run_job(args, out_dir, name, cache, bound_s=800,
+    job = stall_matrix.run_job(args, out_dir, name, cache, bound_s=bound_s, env=env, comm_log=comm_log,
                                inject=("scripted_schedule",) if scripted else ())
     assert job.code == 0 and not job.killed_by_test, f"{name}: {job.code} after {job.took_s:.0f} s:\n{job.log[-4000:]}"
     return job

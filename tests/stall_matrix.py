@@ -35,6 +35,7 @@ def rank_entry(payload, rank, world, local_rank, master, agent_store, report_sil
     log = os.open(extra["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     os.dup2(log, 1)
     os.dup2(log, 2)
+    os.environ.update(extra.get("env") or {})  # before the hooks: scripted_schedule reads its options on import
     import faults
     if extra.get("faults"):  # a job without faults runs the project's code unpatched (conftest.run_forked)
         faults.install(extra["faults"], rank)
@@ -81,9 +82,11 @@ def start_forkserver() -> None:
 
 
 def run_job(args: list[str], folder, name: str, cache: str, bound_s: float, faults: dict | None = None,
-            comm_log: str | None = None, inject: tuple[str, ...] = (), after_mark_s: float | None = None) -> Job:
+            comm_log: str | None = None, inject: tuple[str, ...] = (), after_mark_s: float | None = None,
+            env: dict[str, str] | None = None) -> Job:
     """main.py's job for `args` (its ranks in this process's forkserver), at most `bound_s` seconds, or
-    `after_mark_s` after a stall's mark file appeared: then the test kills the ranks itself (killed_by_test)."""
+    `after_mark_s` after a stall's mark file appeared: then the test kills the ranks itself (killed_by_test).
+    `env`: variables set in each rank before anything of the test or the project runs there."""
     import cli
     from infra.launch import launch
     import comm
@@ -95,7 +98,7 @@ def run_job(args: list[str], folder, name: str, cache: str, bound_s: float, faul
                        "--threads", "1"])
     payload = dataclasses.asdict(cfg)
     payload["_test"] = {"pids": pids, "log": os.path.join(folder, f"{name}.log"), "faults": faults,
-                        "comm_log": comm_log, "inject": inject}
+                        "comm_log": comm_log, "inject": inject, "env": env}
     start_forkserver()
     killed = threading.Event()
     done = threading.Event()

@@ -33,7 +33,7 @@ import gap
 import grpo
 import models
 import rewards
-from conftest import checkpoint_weights, read_metrics, run_main, trainer_rank_of
+from conftest import checkpoint_weights, read_metrics, run_forked, trainer_rank_of
 from test_advantages import flow_grpo_train_sd3_advantages
 
 pytestmark = pytest.mark.timeout(600)
@@ -248,13 +248,11 @@ def test_a_dealt_run_with_batch_statistics_makes_the_one_process_update(tiny_cac
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("\n".join(rewards.color_prompts("train")[:2]) + "\n")
     common = [*ONE_STEP, "--prompt-file", str(prompts)]
-    run_main([*common, "--mode", "colocated", "--nproc", "1", "--run-name", "one"], tmp_path,
-             tiny_cache)
+    run_forked([*common, "--mode", "colocated", "--nproc", "1"], tmp_path, "one", tiny_cache)
     per_group = [a for a in common if a not in ("--per-prompt-stat-tracking", "--global-std")]
-    run_main([*per_group, "--mode", "colocated", "--nproc", "1", "--run-name", "group"], tmp_path,
-             tiny_cache)
-    run_main([*common, "--placement", "disaggregated", "--gap", "--nproc", "3", "--run-name",
-              "dealt"], tmp_path, tiny_cache, timeout=300)
+    run_forked([*per_group, "--mode", "colocated", "--nproc", "1"], tmp_path, "group", tiny_cache)
+    run_forked([*common, "--placement", "disaggregated", "--gap", "--nproc", "3"], tmp_path, "dealt",
+               tiny_cache)
     one, dealt, group = (checkpoint_weights(os.path.join(tmp_path, n), 1)
                          for n in ("one", "dealt", "group"))
     initial = _initial_weights()

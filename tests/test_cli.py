@@ -11,7 +11,7 @@ import torch
 
 import main
 import cli
-from conftest import ROOT, checkpoint_weights, rank_pids, read_metrics, run_main
+from conftest import ROOT, checkpoint_weights, rank_pids, read_metrics, run_forked, run_main
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -110,12 +110,12 @@ def straight_run(tiny_cache, tmp_path_factory):
     """Three steps of RESUMABLE in one go, a checkpoint after each: the resume test's reference, and the
     checkpoint the refusal test resumes with another config (one run for both: each is a whole job)."""
     out = tmp_path_factory.mktemp("straight")
-    run_main([*RESUMABLE, "--steps", "3", "--run-name", "straight"], out, tiny_cache)
+    run_forked([*RESUMABLE, "--steps", "3"], out, "straight", tiny_cache)
     return out / "straight"
 
 
 def test_resume_continues_with_the_same_metrics(straight_run, tiny_cache, tmp_path):
-    run_main([*RESUMABLE, "--steps", "2", "--run-name", "stopped"], tmp_path, tiny_cache)
+    run_forked([*RESUMABLE, "--steps", "2"], tmp_path, "stopped", tiny_cache)
     run_main([*RESUMABLE, "--steps", "3", "--resume", str(tmp_path / "stopped")], tmp_path, tiny_cache)
     straight, resumed = read_metrics(straight_run), read_metrics(tmp_path / "stopped")
     assert [r["step"] for r in resumed] == [0, 1, 2]

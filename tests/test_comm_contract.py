@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, read_metrics, run_main
+from conftest import ROOT, read_metrics, run_forked
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -42,15 +42,12 @@ SCRIPTED = {"fsdp_tag_tcss_r1_k2"}  # TAG and TCSS scripted (one rollout rank): 
 @pytest.fixture(scope="module")
 def recorded(tiny_cache, tmp_path_factory):
     out = tmp_path_factory.mktemp("contract")
-    env = {"PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "tests", "inject"), ROOT,
-                                          os.environ.get("PYTHONPATH", "")])}
     result = {}
     for name, args in LAYOUTS.items():
         log = out / f"{name}.calls"
         log.mkdir()
-        script = {"DIGENRL_TEST_INJECT": "scripted_schedule"} if name in SCRIPTED else {}
-        run_main([*COMMON, *args, "--run-name", name], out, tiny_cache,
-                 env={**env, **script, "DIGENRL_COMM_LOG": str(log)}, timeout=300)
+        run_forked([*COMMON, *args], out, name, tiny_cache, scripted=name in SCRIPTED, comm_log=str(log),
+                   bound_s=300)
         result[name] = [json.loads(line) for f in os.listdir(log) for line in open(log / f)]
         result[f"{name}/metrics"] = read_metrics(out / name)
     return result

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import models
-from conftest import checkpoint_weights, read_metrics, run_main
+from conftest import checkpoint_weights, read_metrics, run_forked, run_main
 
 pytestmark = pytest.mark.timeout(600)
 FAMILIES = ["flux", "qwenimage", "wan", "hunyuanvideo", "sd3"]
@@ -106,7 +106,7 @@ def lora_run(tiny_cache, tmp_path_factory):
     """A 2-step LoRA run (all-linear, r 8, alpha 16) with a checkpoint after each step."""
     models.tiny_pipeline_path("flux")
     out = tmp_path_factory.mktemp("lora_run")
-    run_main([*LORA_RUN, "--steps", "2", "--run-name", "x"], out, tiny_cache)
+    run_forked([*LORA_RUN, "--steps", "2"], out, "x", tiny_cache)
     return out / "x"
 
 
@@ -126,10 +126,10 @@ def test_resume_alone_continues_a_lora_run(lora_run, tiny_cache, tmp_path):
 def test_init_lora_starts_from_the_file_with_its_rank_and_alpha(lora_run, tiny_cache, tmp_path):
     start = lora_run / "checkpoints" / "step_000001"
     # lr 1e-12: Adam's first step moves each weight by ~lr, so the run's weights are the file's (if it loaded it).
-    run_main(["--model", "flux", "--mode", "colocated", "--nproc", "1", "--init-lora", str(start), "--lora-targets",
-              "all-linear", "--lr", "1e-12", "--steps", "1", "--save-every", "1", "--eval-every", "0",
-              "--prompts-per-step", "2", "--group-size", "2", "--num-steps", "3", "--text-len", "16", "--no-trace",
-              "--run-name", "y"], tmp_path, tiny_cache)
+    run_forked(["--model", "flux", "--mode", "colocated", "--nproc", "1", "--init-lora", str(start), "--lora-targets",
+                "all-linear", "--lr", "1e-12", "--steps", "1", "--save-every", "1", "--eval-every", "0",
+                "--prompts-per-step", "2", "--group-size", "2", "--num-steps", "3", "--text-len", "16", "--no-trace"],
+               tmp_path, "y", tiny_cache)
     config = json.loads((tmp_path / "y" / "config.json").read_text())
     assert (config["lora"], config["lora_rank"], config["lora_alpha"]) == (True, 8, 16.0)  # from the file
     started, theirs = checkpoint_weights(tmp_path / "y", 1), checkpoint_weights(lora_run, 1)

@@ -153,7 +153,7 @@ def test_recipe_runs_end_to_end_with_evaluation_of_the_test_split(name, mode, ti
     """Catches a recipe that cannot run (a knob the runtime refuses or ignores), an evaluation of the training
     prompts (the dataset's test rows name other things) or of one rank's share only, a sample scored against
     another prompt's row, and a KL metric over the step variance."""
-    from conftest import read_metrics, run_main
+    from conftest import read_metrics, run_forked
     from test_compat_remote import geneval_answer, pickle_server
     from test_rewards import _write_tiny_clip
     monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
@@ -167,7 +167,7 @@ def test_recipe_runs_end_to_end_with_evaluation_of_the_test_split(name, mode, ti
                                 "prompt": f"a photo of a {thing}"}) + "\n")
     with pickle_server(geneval_answer) as (url, log):
         args = _cut_down(name, dataset, url, str(clip)) + (["--mode", mode] if mode != "colocated" else [])
-        run_main(args + ["--run-name", "r"], tmp_path / "runs", tiny_cache, timeout=600)
+        run_forked(args, tmp_path / "runs", "r", tiny_cache, env={"no_proxy": "127.0.0.1,localhost"})
     run = tmp_path / "runs" / "r"
     rows = read_metrics(run)
     saved = json.load(open(run / "config.json"))

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import dist_harness
-from conftest import ROOT, checkpoint_weights, read_metrics, run_main
+from conftest import ROOT, checkpoint_weights, read_metrics, run_forked, run_main
 from infra import checkpoint_state
 
 pytestmark = pytest.mark.timeout(300)
@@ -111,7 +111,8 @@ DIGENRL_K2 = ["--mode", "digenrl", "--nproc", "3", "--rollout-ranks", "1", "--pr
 
 
 def test_digenrl_k2_with_tag_and_tcss_resumes_as_the_uninterrupted_run(tiny_cache, tmp_path):
-    run_main([*DIGENRL_K2, "--steps", "4", "--run-name", "straight"], tmp_path, tiny_cache, env=SCRIPTED)
+    run_forked([*DIGENRL_K2, "--steps", "4"], tmp_path, "straight", tiny_cache, scripted=True,
+               env={"DIGENRL_SCRIPTED_NO_AHEAD": SCRIPTED["DIGENRL_SCRIPTED_NO_AHEAD"]})
     # The run as a crash after its step-2 checkpoint leaves it (cheaper than a second run stopped there: the same
     # checkpoint, as steps 0-1 have the same schedule): later checkpoints gone, the later metrics rows still there.
     shutil.copytree(tmp_path / "straight", tmp_path / "stopped")
