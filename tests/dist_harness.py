@@ -1,12 +1,15 @@
-"""The harness of the multi-process gloo tests: spawn 2-3 ranks, each in its own interpreter, and collect
-what each returned or raised; never hang.
+"""The harness of the multi-process gloo tests: start 2-3 ranks and collect what each returned or raised;
+never hang.
 
     reports = dist_harness.run(_worker, 2, "some", "args", timeout_s=90)   # {rank: Report}
     assert reports[1].ok and reports[1].value == ...
 
 `_worker(rank, world, store, *args)` must be a module-level function of an importable module (a test
-module is: the spawned interpreters get the parent's sys.path). It runs after torch.distributed is
-initialised (gloo, the default group = all ranks) and returns any picklable value.
+module is: the ranks get the parent's sys.path). It runs after torch.distributed is initialised (gloo, the
+default group = all ranks) and returns any picklable value. The ranks are forked from this process's
+forkserver, which imported torch, diffusers and main.py once (tests/stall_matrix.py start_forkserver): a fresh
+interpreter per rank spent ~10 s of CPU importing them, more than most workers run. Each rank gets the
+parent's environment as it is at run(), as a spawned process would.
 
 The store is a TCPStore that THIS process serves on a port the OS picked (port 0) and holds for the
 whole run, so no other job can take the port between choosing it and using it (a free port found by
@@ -39,7 +42,9 @@ class Report:
     seconds: float  # from the rank's start of the worker to its report
 
 
-def _entry(worker, rank, world, port, timeout_s, reports, args):
+def _entry(worker, rank, world, port, timeout_s, reports, args, environment):
+    os.environ.clear()
+    os.environ.update(environment)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     import torch
 
@@ -59,14 +64,18 @@ def _entry(worker, rank, world, port, timeout_s, reports, args):
 
 
 def run(worker, world: int, *args, timeout_s: float = 90.0, needed: set[int] | None = None) -> dict[int, Report]:
-    """Spawn `world` ranks running worker(rank, world, store, *args); returns {rank: Report} of the ranks that
+    """Start `world` ranks running worker(rank, world, store, *args); returns {rank: Report} of the ranks that
     reported (all of `needed`, by default every rank). Raises AssertionError naming a rank that hung or died."""
     needed = set(range(world)) if needed is None else set(needed)
     server = dist.TCPStore("127.0.0.1", 0, None, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    import stall_matrix
+
+    stall_matrix.start_forkserver()
+    ctx = mp.get_context("forkserver")
     reports = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(worker, r, world, server.port, timeout_s, reports, args), daemon=True)
-             for r in range(world)]
+    environment = dict(os.environ)
+    procs = [ctx.Process(target=_entry, args=(worker, r, world, server.port, timeout_s, reports, args, environment),
+                         daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     got: dict[int, Report] = {}

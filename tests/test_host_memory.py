@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import async_policy
+import stall_matrix
 import transport
 from host_bytes import NewStorages
 from infra import checkpoint_file, rundir
@@ -280,6 +281,7 @@ def _probe_rank(payload, rank, world, local_rank, master, agent_store, report_si
       infra.fsdp.shard_for_fsdp (where the fp32 masters are made);
     - the leader: the bytes alive at once in Bookkeeping._record, which writes the checkpoint;
     - a rollout rank: the bytes its weight mailbox thread allocated over the run, and the versions it received."""
+    os.environ.update(payload.pop("_env"))  # forked from the forkserver: the test's variables
     import main
     import models
     import async_policy as tcss_lib
@@ -340,12 +342,13 @@ def test_host_memory_of_a_full_fine_tuning_run(tiny_cache, tmp_path, monkeypatch
 
     import comm
 
-    monkeypatch.setenv("DIGENRL_MEMORY_PROBE", str(tmp_path))
     cfg = cli.prepare(["--mode", "digenrl", "--fsdp", "--nproc", "3", "--rollout-ranks", "1", "--no-lora",
                        "--dtype", "bfloat16", "--steps", "2", "--prompts-per-step", "2", "--fragment-groups", "2",
                        "--group-size", "2", "--num-steps", "2", "--eval-every", "0", "--no-trace", "--no-progress",
                        "--timeout-s", "120", "--out-dir", str(tmp_path), "--run-name", "job"])
-    code = launch(_probe_rank, dataclasses.asdict(cfg), 3, threads=1,
+    stall_matrix.start_forkserver()  # the ranks forked from the process that imported main.py once
+    code = launch(_probe_rank, {**dataclasses.asdict(cfg), "_env": {"DIGENRL_MEMORY_PROBE": str(tmp_path)}}, 3,
+                  threads=1, start_method="forkserver", preload=stall_matrix.preload(),
                   role_of=lambda r: comm.role_of(cfg.placement, cfg.rollout_ranks, r, 3))
     assert code == 0
     rollout, leader, other = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3))

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import dist_harness
+import stall_matrix
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -119,6 +120,8 @@ def _probe_rank(payload, rank, world, local_rank, master, agent_store, report_si
     import json
     import os
 
+    os.environ.update(payload.pop("_env"))  # forked from the forkserver: the test's variables
+
     import main
     import trainer as trainer_lib
 
@@ -147,12 +150,13 @@ def test_fsdp_trainers_hold_one_kth_of_the_model_and_optimizer(beta, tiny_cache,
     import cli
     from infra.launch import launch
 
-    monkeypatch.setenv("DIGENRL_MEMORY_PROBE", str(tmp_path))
     cfg = cli.prepare(["--mode", "digenrl", "--fsdp", "--nproc", "3", "--rollout-ranks", "1", "--no-lora",
                        "--steps", "1", "--prompts-per-step", "2", "--fragment-groups", "2", "--group-size", "2",
                        "--num-steps", "2", "--eval-every", "0", "--save-every", "0", "--no-trace", "--no-progress",
                        "--beta", str(beta), "--timeout-s", "60", "--out-dir", str(tmp_path), "--run-name", "job"])
-    code = launch(_probe_rank, dataclasses.asdict(cfg), 3, threads=1,
+    stall_matrix.start_forkserver()  # the ranks forked from the process that imported main.py once
+    code = launch(_probe_rank, {**dataclasses.asdict(cfg), "_env": {"DIGENRL_MEMORY_PROBE": str(tmp_path)}}, 3,
+                  threads=1, start_method="forkserver", preload=stall_matrix.preload(),
                   role_of=lambda r: comm.role_of(cfg.placement, cfg.rollout_ranks, r, 3))
     assert code == 0
     k = 2
