@@ -12,7 +12,7 @@ import time
 import pytest
 
 import comm
-from conftest import ROOT, rank_pids, read_metrics
+from conftest import ROOT, rank_pids, read_metrics, run_forked
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -73,9 +73,7 @@ def test_steps_longer_than_the_timeout_complete_in_every_mode(mode, tiny_cache, 
     heartbeat beats), the other ranks waiting for it. One job at a time (four at once on 2 cores starved
     heartbeats: issue 27)."""
     (tmp_path / "slow.py").write_text(SLOW_REWARD.format(s=SLOW_S))
-    proc = _popen([*LONG_STEP, *MODES[mode], "--reward", f"{tmp_path / 'slow.py'}:slow", "--run-name", mode],
-                  tmp_path, tiny_cache, f"{mode}.log")
-    assert proc.wait(300) == 0, (tmp_path / f"{mode}.log").read_text()[-3000:]
+    run_forked([*LONG_STEP, *MODES[mode], "--reward", f"{tmp_path / 'slow.py'}:slow"], tmp_path, mode, tiny_cache)
     times = [r["step_time_s"] for r in read_metrics(tmp_path / mode)]
     assert len(times) == 1 and times[0] >= 2 * TIMEOUT_S, (mode, times)
 
