@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 import models
 import rewards
 from models import pretrain
-from conftest import read_metrics, run_main
+from conftest import read_metrics, run_forked
 from rollout import SamplingConfig, evaluate
 
 pytestmark = pytest.mark.timeout(600)
@@ -174,8 +174,8 @@ def test_the_default_demo_learns_the_colour_task(demo_pipeline, tmp_path):
     on held-out seeds starts near 0 and passes 0.3. Measured over 3 seeds (tools/learning_bench.py): 10-step
     train reward >= 0.5 after 7.6-9.9 s of training (steps ~45-60); eval 0.45 at step 50 (seed 0). Only the
     demo's own path is checked here: the synchronous modes learned this task less reliably (README)."""
-    run_main(["--model", "flux", "--steps", "80", "--eval-every", "40", "--save-every", "0", "--run-name", "demo"],
-             tmp_path, demo_pipeline["cache"], timeout=400, env={"DIGENRL_TINY_PRETRAIN": "full"})
+    run_forked(["--model", "flux", "--steps", "80", "--eval-every", "40", "--save-every", "0"], tmp_path, "demo",
+               demo_pipeline["cache"], env={"DIGENRL_TINY_PRETRAIN": "full"})
     rows = read_metrics(tmp_path / "demo")
     evals = [r["eval_reward"] for r in rows if "eval_reward" in r]
     assert abs(rows[0]["eval_reward_initial"]) < 0.05 and len(evals) == 2, rows[0]
