@@ -42,7 +42,8 @@ import tag
 import transport
 import tsp
 from flowgrpo import batch_rewards
-from gap import Announcement, Fragment
+from fragment import Fragment, concat_fragments, fragment_spec
+from gap import Announcement
 from infra import bookkeeping, emulate, rundir, runtime
 from infra.fsdp import shard_for_fsdp
 from infra.launch import launch
@@ -75,7 +76,7 @@ class Rank:
         producer's one path (only a colocated rank's calls join several ranges). part=(lo, hi) of
         one range: only those trajectories, advantages left to the joined groups (TAG)."""
         c = self.cfg
-        spec = rollout.joined_specs([gap.fragment_spec(
+        spec = rollout.joined_specs([fragment_spec(
             c.seed, step, first, count, len(self.source.train), c.prompts_per_step, c.group_size,
             c.algo == "dance_grpo") for first, count in ranges])
         spec, make = (spec, rollout.generate_fragment) if part is None else \
@@ -376,7 +377,7 @@ class TrainerRank:
         g = self.groups
         fragment = tag.assisted_generation(lo, hi, g.num_trainers, g.trainer_index,
                                            generate=functools.partial(self.generate_part, step),
-                                           share=self.links.share_part, join=gap.concat_fragments,
+                                           share=self.links.share_part, join=concat_fragments,
                                            lockstep=self.cfg.fsdp,  # FSDP: the same forwards
                                            batch_size=self.cfg.sample_batch_size)
         if self.assistant is not None:

@@ -1,7 +1,7 @@
 """Transport: the bytes on the wire of the data plane (fragments, weights, commands), in one place.
 
     transport.send_fragment(fragment, dst, group)      # GAP: rollout -> trainer, point to point
-    transport.recv_fragment(src, group)                # -> gap.Fragment
+    transport.recv_fragment(src, group)                # -> fragment.Fragment
     transport.broadcast_fragment(fragment, src, group) # TSP/TAG: the leader's copy to every trainer
     transport.FragmentSender(group, send)              # a background thread, so generation goes on
     transport.publish_weights(tensors, count, version, src, group, dtypes)   # TCSS: the leader
@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from gap import Fragment
+from fragment import Fragment
 
 # --- the fragment wire format ---------------------------------------------------------------------
 # int64s: [MAGIC, 6 ints (Fragment.ints), n_tensors, names_len, payload_bytes], then one row per

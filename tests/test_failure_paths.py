@@ -30,6 +30,7 @@ import main
 import async_policy
 import transport
 from conftest import ROOT
+from fragment import Fragment
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,10 +40,10 @@ STEPS = 3
 def _fragment(step, first, count, version, producer, group_size=2):
     m = count * group_size
     z = torch.zeros
-    return gap.Fragment(step=step, first_group=first, policy_version=version, producer=producer, group_size=group_size,
-                        prompt_ids=z(m, dtype=torch.long), cond={"e": z(m, 3)}, latents=z(m, 1, 4),
-                        next_latents=z(m, 1, 4), timestep_index=z(m, 1, dtype=torch.long), sigmas=z(m, 1),
-                        sigmas_next=z(m, 1), log_probs=z(m, 1), rewards=z(m), reward_parts=z(m, 1), advantages=z(m))
+    return Fragment(step=step, first_group=first, policy_version=version, producer=producer, group_size=group_size,
+                    prompt_ids=z(m, dtype=torch.long), cond={"e": z(m, 3)}, latents=z(m, 1, 4),
+                    next_latents=z(m, 1, 4), timestep_index=z(m, 1, dtype=torch.long), sigmas=z(m, 1),
+                    sigmas_next=z(m, 1), log_probs=z(m, 1), rewards=z(m), reward_parts=z(m, 1), advantages=z(m))
 
 
 def _worker(rank, world, store, fault, use_tcss, fragment_groups, groups_per_step):
