@@ -156,10 +156,11 @@ def rollout_rank(r: Rank) -> None:
     receive = transport.WeightReceiver(groups.leader, groups.publish, shapes,
                                        progress=r.job.progress)
     budget = async_policy.StaleBudget(r.job.prefixed("stale"), cfg.max_stale_fragments)
-    weights = async_policy.RolloutWeights(async_policy.Mailbox(receive), params,  # TCSS
+    weights = async_policy.RolloutWeights(transport.Mailbox(receive), params,  # TCSS
                                           budget if cfg.use_tcss else None, sender.raise_if_failed,
                                           tracer, groups.rank == 0)
-    times = tag.RolloutTimes(r.job.prefixed("timing"), groups.rollout_ranks, cfg.fragment_groups)
+    times = transport.RolloutTimes(r.job.prefixed("timing"), groups.rollout_ranks,
+                                   cfg.fragment_groups)
 
     def produce(step: int, claimed: gap.Claim, ahead: bool = False) -> None:
         """Generate a claim, announce it, send it to its trainer (the leader's under TSP)."""
@@ -208,8 +209,8 @@ def trainer_rank(r: Rank):
     books.evaluate_initial()
     assistant = None
     if cfg.tag and leader:  # TAG: the leader claims a share of the rollout's work for the trainers
-        times = tag.RolloutTimes(r.job.prefixed("timing"), groups.rollout_ranks,
-                                 cfg.fragment_groups)
+        times = transport.RolloutTimes(r.job.prefixed("timing"), groups.rollout_ranks,
+                                       cfg.fragment_groups)
         assistant = tag.Assistant(cfg.prompts_per_step, cfg.fragment_groups,
                                   len(groups.rollout_ranks), groups.num_trainers, quantum=1,
                                   claim=r.queue.claim_samples, claimed=r.queue.num_claimed_samples,

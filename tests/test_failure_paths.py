@@ -1,5 +1,5 @@
 """The rollout rank's background threads fail loudly: an error in the fragment sender (transport.FragmentSender)
-or in the weight mailbox (async_policy.Mailbox) ends the rank's main thread with a message naming the thread,
+or in the weight mailbox (transport.Mailbox) ends the rank's main thread with a message naming the thread,
 wherever the main thread is at that moment; never a hang (no wait has a deadline, and liveness sees two
 live ranks that each wait for the other).
 
@@ -82,7 +82,7 @@ def _worker(rank, world, store, fault, use_tcss, fragment_groups, groups_per_ste
 
     sender = transport.FragmentSender(failing_send)
     budget = async_policy.StaleBudget(dist.PrefixStore("stale", store), 1) if use_tcss else None
-    weights = async_policy.RolloutWeights(async_policy.Mailbox(failing_receive), params, budget, also_check=sender.raise_if_failed)
+    weights = async_policy.RolloutWeights(transport.Mailbox(failing_receive), params, budget, also_check=sender.raise_if_failed)
     def produce(step, claimed, ahead=False):  # main.rollout_rank's, with a scripted generation
         fragment = generate(step, claimed.first_group, claimed.num_groups, weights.version(step, ahead))
         queue.announce(step, claimed.first_group, claimed.num_groups, 0, lambda seq: 1)

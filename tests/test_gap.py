@@ -1,5 +1,5 @@
 """transport.py: a fragment.Fragment round-trips through send/recv and broadcast bit-exactly; concurrent claims are
-unique. transport.py's bucketed publishing into async_policy.Mailbox, in the same three processes: published weights reach the rollout's model (Mailbox.swap_into),
+unique. transport.py's bucketed publishing into transport.Mailbox, in the same three processes: published weights reach the rollout's model (Mailbox.swap_into),
 in the rollout's dtype, newest version first (catches a mailbox that reports a version it never copied in)."""
 import pytest
 import torch
@@ -65,7 +65,7 @@ def _worker(rank, world, store):
     else:
         params = [torch.zeros(3), torch.zeros(2, 2, dtype=torch.bfloat16), torch.zeros(10), torch.zeros(())]
         shapes = [(p.shape, p.dtype) for p in params]
-        mailbox = async_policy.Mailbox(transport.WeightReceiver(2, dist.group.WORLD, shapes, 20))
+        mailbox = transport.Mailbox(transport.WeightReceiver(2, dist.group.WORLD, shapes, 20))
         mailbox.wait_for(2)
         assert mailbox.swap_into(params) == 2 == mailbox.held_version
         mailbox.join()
