@@ -160,11 +160,12 @@ class FragmentQueue:
         return 0 if now == _NEVER else int(now.split()[0])
 
     def announce(self, step: int, first_group: int, num_groups: int, producer: int,
-                 destination_of: Callable[[int], int] | None = None) -> tuple[int, int]:
+                 destinations: list[int] | None = None) -> tuple[int, int]:
         """Publish 'these groups are done by `producer`'; returns (sequence number, destination
-        rank)."""
+        rank): announcement seq goes to destinations[seq % len(destinations)] (the trainers in
+        turn; the leader alone under TSP), -1 without."""
         seq = self.store.add(f"done/{step}", 1) - 1
-        destination = destination_of(seq) if destination_of else -1
+        destination = destinations[seq % len(destinations)] if destinations else -1
         self.store.add(f"done_samples/{step}", num_groups * self.group_size)
         self.store.set(f"done/{step}/{seq}", f"{producer},{first_group},{num_groups},{destination}")
         return seq, destination

@@ -170,8 +170,7 @@ def rollout_rank(r: Rank) -> None:
         # TAG's predictor reads the rollout ranks' seconds per group
         times.report(groups.rank, time.perf_counter() - start, claimed.num_groups)
         _, dst = r.queue.announce(step, claimed.first_group, claimed.num_groups, groups.rank,
-                                  lambda seq: groups.leader if cfg.tsp else
-                                  groups.trainer_ranks[seq % groups.num_trainers])
+                                  [groups.leader] if cfg.tsp else groups.trainer_ranks)
         sender.put(fragment, dst)
 
     r.job.progress.start()

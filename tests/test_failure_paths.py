@@ -85,7 +85,7 @@ def _worker(rank, world, store, fault, use_tcss, fragment_groups, groups_per_ste
     weights = async_policy.RolloutWeights(transport.Mailbox(failing_receive), params, budget, also_check=sender.raise_if_failed)
     def produce(step, claimed, ahead=False):  # main.rollout_rank's, with a scripted generation
         fragment = generate(step, claimed.first_group, claimed.num_groups, weights.version(step, ahead))
-        queue.announce(step, claimed.first_group, claimed.num_groups, 0, lambda seq: 1)
+        queue.announce(step, claimed.first_group, claimed.num_groups, 0, [1])
         sender.put(fragment, 1)
 
     main.rollout_loop(range(STEPS), queue, fragment_groups, weights, produce)

@@ -183,9 +183,13 @@ def test_claims_are_contiguous_group_ranges_cut_at_the_batch_end():
     assert [queue.claim(0, 3) for _ in range(4)] == [(0, 3), (3, 3), (6, 1), None]
     assert queue.num_claimed_samples(0) == 7  # group size 1: trajectories are groups
     assert queue.claim(1, 2) == (0, 2) and queue.claim(1, 1) == (2, 1) and queue.num_claimed_samples(1) == 3
-    seq, dst = queue.announce(1, 0, 2, producer=4, destination_of=lambda s: 10 + s)
+    seq, dst = queue.announce(1, 0, 2, producer=4, destinations=[10, 11])
     assert (seq, dst) == (0, 10) and queue.num_announced_samples(1) == 2
     assert queue.poll(1, 0) == gap.Announcement(4, 0, 2, 10) and queue.poll(1, 1) is None
+    # the trainers in turn (main.py's rollout without TSP): the next announcement goes to the next one
+    assert queue.announce(1, 2, 1, producer=4, destinations=[10, 11]) == (1, 11)
+    assert queue.announce(1, 3, 1, producer=4, destinations=[10, 11]) == (2, 10)
+    assert queue.poll(1, 1) == gap.Announcement(4, 2, 1, 11) and queue.num_announced_samples(1) == 4
     queue.forget(1)
     assert queue.claim(1, 2) == (0, 2)  # forgotten: the step starts from scratch
     queue = gap.FragmentQueue(dist.HashStore(), groups_per_step=4, group_size=3)  # the counter counts trajectories
