@@ -1,17 +1,15 @@
-"""TCSS, the one-step-constrained asynchronous policy: versions, weight publishing, the mailbox,
-generate-ahead.
+"""TCSS, the one-step-constrained asynchronous policy: versions, the staleness bound,
+generate-ahead, the stale-pair loss rule.
 
 Paper: DigenRL, "tightly one-step constrained asynchronous strategy" (docs/DESIGN.md section 5).
 Weights version k is the policy after k optimizer steps; batch k should be generated with version k.
 After each optimizer step the trainer leader publishes the trainable weights (LoRA only when LoRA is
-on) with their version to every rollout rank, in the rollout's dtype, over a gloo group with CPU
-tensors: consecutive tensors are packed into flat buckets of at most PUBLISH_BUCKET_BYTES (one
-broadcast each: a model of many small tensors costs one round trip, not one per tensor), a larger
-tensor goes alone, so the sender never holds more than a bucket plus one whole tensor. A rollout
-rank receives them in a background thread (the `Mailbox`) and swaps them into its model only
-between fragments. With TCSS on, once every group of batch k is
-claimed and version k+1 has not arrived yet (the trainer is still on batch k's tail),
-`generate_ahead` lets rollout ranks generate up to j fragments of batch k+1 with version k.
+on) with their version to every rollout rank (`Publisher`; the buckets on the wire are
+transport.publish_weights'). A rollout rank receives them in a background thread and swaps them
+into its model only between fragments (`RolloutWeights`; the thread and the host buffers it reuses
+are transport.Mailbox). With TCSS on, once every group of batch k is claimed and version k+1 has
+not arrived yet (the trainer is still on batch k's tail), `generate_ahead` lets rollout ranks
+generate up to j fragments of batch k+1 with version k.
 
 Invariants (asserted by `check_staleness`, not only tested): staleness = trainer version - fragment
 version is 0 or 1; every trajectory and group is generated under one version (weights swap only
@@ -30,13 +28,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import threading
 import time
 from collections.abc import Callable, Iterable
 
 import torch
 
-STOP = -1  # the version number that tells mailboxes to exit
+STOP = -1  # the version number that tells mailboxes (transport.Mailbox) to exit
 
 
 def check_staleness(trainer_version: int, fragment_version: int, tcss_on: bool) -> int:
@@ -59,115 +56,6 @@ def behaviour_log_prob(current: torch.Tensor, recorded: torch.Tensor,
     the rollout's numerics)."""
     stale = torch.as_tensor(stale, device=current.device)  # one flag, or one per pair [p]
     return torch.where(stale, recorded.to(current.device), current.detach())
-
-
-class Mailbox:
-    """Rollout rank: a background thread receives published weights into CPU buffers; the main
-    thread swaps them into the model between fragments. Waits have no deadline: liveness ends a dead
-    job.
-
-    The buffers may be the same for every publish (transport.WeightReceiver: one copy of the
-    weights on the host for the whole run), so a publish that arrives overwrites the last one's
-    buffers: the receive calls begin(version) before it writes them, which waits for a swap in
-    progress to finish and marks them unreadable until the publish is complete. A version the
-    model never took is then gone, which is safe: the next publish can only start once its step
-    is trained, so this rank needs the newer version next. A swap that finds a completed version
-    it has not taken being overwritten waits for the newer one (it must not generate with weights
-    two versions old); with nothing newer than what it holds it returns at once (generating ahead
-    while a publish arrives is TCSS's point)."""
-
-    def __init__(self, receive: Callable[..., tuple[int, list[torch.Tensor]]]):
-        """`receive(begin=...)` blocks until the next publish and returns (version, one tensor per
-        weight), calling begin(version) before it writes into buffers it reuses:
-        transport.WeightReceiver on a gloo group of its own, or a queue in the demo."""
-        self.receive = receive
-        self._cond = threading.Condition()
-        self._ready: tuple[int, list[torch.Tensor]] | None = None  # complete, not yet swapped in
-        self._filling = False  # a publish is being written into the buffers
-        self._swapping = False  # the main thread is copying the buffers into the model
-        self._arrived = -1  # the latest version received completely
-        self._held_version = -1  # version of the weights currently in the model
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="weight-mailbox", daemon=True)
-        self._thread.start()
-
-    def _begin(self, version: int) -> None:
-        with self._cond:
-            while self._swapping:
-                self._cond.wait()
-            self._filling, self._ready = True, None  # what the buffers held is being overwritten
-            self._cond.notify_all()
-
-    def _run(self) -> None:
-        try:
-            while True:
-                version, buffers = self.receive(begin=self._begin)  # blocks until the next publish
-                if version == STOP:
-                    break
-                with self._cond:
-                    self._ready, self._filling = (version, buffers), False
-                    self._arrived = version
-                    self._cond.notify_all()
-        except BaseException as exc:  # noqa: BLE001  (surfaced to the main thread, which raises it)
-            self.error = exc
-        with self._cond:
-            self._cond.notify_all()
-
-    def _raise_if_failed(self) -> None:
-        if self.error is not None:
-            raise RuntimeError(f"weight mailbox failed: {self.error}") from self.error
-
-    def _wait(self, what: str) -> None:
-        """One wait on the condition (held): at most a second; the thread's failure is raised."""
-        self._raise_if_failed()
-        if not self._thread.is_alive():
-            raise RuntimeError(f"weight mailbox stopped before {what}")
-        self._cond.wait(1.0)
-
-    def latest_version(self) -> int:
-        with self._cond:
-            return self._arrived
-
-    @property
-    def held_version(self) -> int:
-        return self._held_version
-
-    def wait_for(self, version: int, also_check: Callable[[], None] = lambda: None) -> None:
-        """Block until weights of at least `version` have arrived. `also_check` runs at least once a
-        second while waiting and may raise: the rollout's fragment sender, whose failure means they
-        never will."""
-        with self._cond:
-            while self._arrived < version:
-                also_check()
-                self._wait(f"version {version} arrived")
-
-    def swap_into(self, params: list[torch.Tensor]) -> int:
-        """Copy the latest weights into the model (call only between fragments); returns the held
-        version."""
-        self._raise_if_failed()
-        with self._cond:
-            while self._filling and self._arrived > self._held_version:  # the newest one is being
-                self._wait("a publish being received completed")  # overwritten: take the next
-            latest = self._ready
-            if latest is None or latest[0] <= self._held_version:
-                return self._held_version
-            self._swapping = True  # the receive waits before overwriting the buffers
-        try:
-            with torch.no_grad():
-                for p, t in zip(params, latest[1]):
-                    p.copy_(t)
-        finally:
-            with self._cond:
-                self._swapping = False
-                self._ready = None  # taken
-                self._held_version = latest[0]
-                self._cond.notify_all()
-        return self._held_version
-
-    def join(self) -> None:
-        """Wait for the thread to finish (after the leader's STOP); a failure is raised here."""
-        self._thread.join()
-        self._raise_if_failed()
 
 
 class StaleBudget:
@@ -206,9 +94,10 @@ class RolloutWeights:
     """A rollout rank's weights, for main.rollout_loop: batch k waits for version k; new weights are
     swapped in only between fragments (every trajectory and group is generated under one version);
     with a stale budget, once batch k is fully claimed and version k + 1 has not come, fragments of
-    batch k + 1 with version k."""
+    batch k + 1 with version k. `mailbox` receives the publishes: transport.Mailbox in a run
+    (wait_for, swap_into, latest_version, held_version, join)."""
 
-    def __init__(self, mailbox: Mailbox, params: list[torch.Tensor],
+    def __init__(self, mailbox, params: list[torch.Tensor],
                  budget: StaleBudget | None = None, also_check: Callable[[], None] = lambda: None,
                  tracer=None, forgets: bool = False):
         self.mailbox, self.params, self.budget, self.also_check = (
@@ -287,25 +176,44 @@ class Publisher:
 
 
 # --- python3 async_policy.py: the mechanism alone, on fake ranks ----------------------------------
+class _DemoStore:
+    """The job's store, as the demo needs it: an atomic counter per key."""
+
+    def __init__(self):
+        self.counts = collections.Counter()
+
+    def add(self, key: str, n: int) -> int:
+        self.counts[key] += n
+        return self.counts[key]
+
+    def delete_key(self, key: str) -> None:
+        self.counts.pop(key, None)
+
+
+class _DemoMailbox:
+    """transport.Mailbox in a run (a thread receiving publishes into reused host buffers); here a
+    publish is in as soon as it is sent."""
+
+    def __init__(self):
+        self.published, self.held_version = [], -1  # [(version, tensors)], oldest first
+
+    def latest_version(self) -> int:
+        return self.published[-1][0] if self.published else -1
+
+    def wait_for(self, version: int, also_check: Callable[[], None]) -> None:
+        assert self.latest_version() >= version
+
+    def swap_into(self, params: list[torch.Tensor]) -> None:
+        self.held_version, tensors = self.published[-1]
+        for p, t in zip(params, tensors):
+            p.copy_(t)
+
+
 def _demo() -> None:
-    import queue as queue_lib
-
-    class Store:  # the job's store: an atomic counter per key
-        def __init__(self):
-            self.counts = collections.Counter()
-
-        def add(self, key: str, n: int) -> int:
-            self.counts[key] += n
-            return self.counts[key]
-
-        def delete_key(self, key: str) -> None:
-            self.counts.pop(key, None)
-
-    wire: queue_lib.Queue = queue_lib.Queue()  # the publish group
     theta = torch.zeros(3)  # the trainer's weights (the policy: x ~ N(theta, 1))
     rollout_theta = torch.zeros(3)  # the rollout's copy
-    mailbox = Mailbox(lambda begin: wire.get())  # new tensors each time: nothing to wait for
-    weights = RolloutWeights(mailbox, [rollout_theta], StaleBudget(Store(), max_stale=1))
+    mailbox = _DemoMailbox()
+    weights = RolloutWeights(mailbox, [rollout_theta], StaleBudget(_DemoStore(), max_stale=1))
 
     def log_prob(x: torch.Tensor, mean: torch.Tensor) -> torch.Tensor:
         return -0.5 * ((x - mean) ** 2).sum()
@@ -320,7 +228,7 @@ def _demo() -> None:
         print(f"rollout: batch {step} groups {claimed} generated AHEAD with weights version "
               f"{version}")
 
-    wire.put((0, [theta.clone()]))  # the leader publishes version 0
+    mailbox.published.append((0, [theta.clone()]))  # the leader publishes version 0
     weights.wait_for(0)
     weights.between_fragments()
     print(f"rollout: holds version {mailbox.held_version}; batch 0 fully claimed, version 1 not "
@@ -328,9 +236,7 @@ def _demo() -> None:
     weights.after_claims(0, 1, lambda step: next(claims), produce)
     print(f"rollout: stale budget j = 1 spent after {len(made)} fragment(s)")
     theta += torch.tensor([0.1, -0.1, 0.05])  # the trainer's step on batch 0
-    wire.put((1, [theta.clone()]))
-    wire.put((STOP, []))
-    weights.close()
+    mailbox.published.append((1, [theta.clone()]))  # version 1: no more generating ahead
     step, version, x, recorded = made[0]
     staleness = check_staleness(1, version, tcss_on=True)
     new = log_prob(x, theta)

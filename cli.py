@@ -21,11 +21,11 @@ import torch
 
 import comm
 import config
-import gap
 import grpo
 import models
 import rewards
 from flowgrpo import presets
+from fragment import largest_seed
 from infra import emulate, lifeline, rundir
 from infra.launch import main_module, start_method_for
 from infra.node_fetch import NodeFetch
@@ -202,7 +202,7 @@ def _check_numbers(c: config.Config) -> None:
     if c.lr > MAX_LR:
         _bad(f"--lr must be a positive number <= {MAX_LR:g}, got {c.lr}")
     # every seed derived from it stays an int64 and below the held-out evaluation seeds
-    largest = min(gap.largest_seed(c.steps, c.prompts_per_step * c.group_size),
+    largest = min(largest_seed(c.steps, c.prompts_per_step * c.group_size),
                   SEED_LIMIT - 1)
     if not 0 <= c.seed <= largest:
         _bad(f"--seed must be an integer in [0, {largest}] (every seed derived from it stays an "

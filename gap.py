@@ -7,7 +7,8 @@ counter of trajectories in a torch.distributed store (compare-and-set): rollout 
 `fragment_groups` groups at a time, so fast ranks take more, and an idle trainer can take a share
 (TAG, tag.py).
 A trajectory's prompt and noise seeds depend only on (seed, step, its global index in the batch), so
-a fragment yields the same trajectories whichever rank generates it and however the batch is cut.
+a fragment yields the same trajectories whichever rank generates it and however the batch is cut
+(fragment.py: what a fragment holds; the queue here never looks inside one).
 A finished fragment is announced in the store (sequence number -> producer, groups, destination),
 so the trainer knows whom to receive from without any-source receives (NCCL has none), then sent
 point to point over gloo: a fixed-size int64 header, then one uint8 buffer with every tensor's
@@ -31,9 +32,11 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Iterable, Iterator
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
+
+Received = TypeVar("Received")  # what a trainer receives: fragment.Fragment in a run
 
 
 # --- the idea: a rollout rank claims a range of whole groups, generates it, announces it, sends
@@ -53,9 +56,9 @@ def claims(queue: FragmentQueue, step: int, fragment_groups: int,
 
 # --- the trainer side: receive and train as fragments arrive --------------------------------------
 def dealt_fragments(queue: FragmentQueue, step: int, fragments_per_step: int, trainer_index: int,
-                    num_trainers: int, receive: Callable[[Announcement], Fragment],
+                    num_trainers: int, receive: Callable[[Announcement], Received],
                     wait: Callable[[int, int], Announcement] | None = None
-                    ) -> Iterable[Fragment | Announcement]:
+                    ) -> Iterable[Received | Announcement]:
     """Without TSP: trainer k of K receives announcements k, k + K, ... and trains whole fragments.
     The other trainers' announcements are yielded as they are (no data): they tell which groups are
     in, which is when a minibatch is complete (grpo.train_in_minibatches). `wait(step, seq)`: how
@@ -66,7 +69,14 @@ def dealt_fragments(queue: FragmentQueue, step: int, fragments_per_step: int, tr
         yield receive(announcement) if seq % num_trainers == trainer_index else announcement
 
 
-# --- the 1/(N T_train) weighting ------------------------------------------------------------------
+# --- the batch's cut and the 1/(N T_train) weighting ---------------------------------------------
+def num_fragments(groups_per_step: int, fragment_groups: int) -> int:
+    if fragment_groups < 1 or groups_per_step % fragment_groups:
+        raise ValueError(f"--fragment-groups {fragment_groups} must divide the {groups_per_step} "
+                         "groups of a step")
+    return groups_per_step // fragment_groups
+
+
 def total_pairs(groups_per_step: int, group_size: int, num_train_timesteps: int) -> int:
     """N T_train: the (sample, timestep) pairs of one whole batch."""
     return groups_per_step * group_size * num_train_timesteps
@@ -150,11 +160,12 @@ class FragmentQueue:
         return 0 if now == _NEVER else int(now.split()[0])
 
     def announce(self, step: int, first_group: int, num_groups: int, producer: int,
-                 destination_of: Callable[[int], int] | None = None) -> tuple[int, int]:
+                 destinations: list[int] | None = None) -> tuple[int, int]:
         """Publish 'these groups are done by `producer`'; returns (sequence number, destination
-        rank)."""
+        rank): announcement seq goes to destinations[seq % len(destinations)] (the trainers in
+        turn; the leader alone under TSP), -1 without."""
         seq = self.store.add(f"done/{step}", 1) - 1
-        destination = destination_of(seq) if destination_of else -1
+        destination = destinations[seq % len(destinations)] if destinations else -1
         self.store.add(f"done_samples/{step}", num_groups * self.group_size)
         self.store.set(f"done/{step}/{seq}", f"{producer},{first_group},{num_groups},{destination}")
         return seq, destination
@@ -196,167 +207,29 @@ class FragmentQueue:
         self._seen.pop(step, None)
 
 
-# --- batch -> fragments ----------------------------------------------------------------------
-def fragment_spec(seed: int, step: int, first_group: int, num_groups: int, num_prompts_total: int,
-                  groups_per_step: int, group_size: int,
-                  shared_group_noise: bool = False) -> FragmentSpec:
-    """Groups [first_group, first_group + num_groups) of step `step`: prompts and seeds depend only
-    on (seed, step, global trajectory index), so any cut of the batch gives the same
-    trajectories."""
-    # The step's prompts: a seeded permutation, so every rank agrees without communication.
-    gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    order = torch.randperm(max(num_prompts_total, groups_per_step),
-                           generator=gen) % num_prompts_total
-    groups = order[:groups_per_step][first_group:first_group + num_groups].tolist()
-    prompt_ids = [p for p in groups for _ in range(group_size)]
-    base = (seed * 1_000_003 + step) * 1_000_033
-    first = first_group * group_size  # global index of the fragment's first trajectory in the batch
-    trajectories = range(first, first + len(prompt_ids))
-    noise_seeds = [base + 2 * t + 1 for t in trajectories]
-    if shared_group_noise:  # DanceGRPO: every member of a group starts from the same noise
-        init_seeds = [base + 2 * (t // group_size * group_size) for t in trajectories]
-    else:
-        init_seeds = [base + 2 * t for t in trajectories]
-    return FragmentSpec(step, first_group, prompt_ids, init_seeds, noise_seeds, group_size)
-
-
-SEED_BOUND = 2**63  # derived seeds stay int64 (manual_seed overflows past 2**64 - 1)
-
-
-def largest_seed(steps: int, trajectories_per_step: int) -> int:
-    """The largest run seed whose derived seeds all stay below SEED_BOUND: fragment_spec's
-    base + 2 t + 1 at the last step and trajectory, plus rollout.train_slots' + 7."""
-    # the bound on seed * 1_000_003 + step, then on seed
-    base_limit = (SEED_BOUND - 1 - 2 * trajectories_per_step - 8) // 1_000_033
-    return (base_limit - steps) // 1_000_003
-
-
-def num_fragments(groups_per_step: int, fragment_groups: int) -> int:
-    if fragment_groups < 1 or groups_per_step % fragment_groups:
-        raise ValueError(f"--fragment-groups {fragment_groups} must divide the {groups_per_step} "
-                         "groups of a step")
-    return groups_per_step // fragment_groups
-
-
-@dataclasses.dataclass
-class FragmentSpec:
-    """What to generate: groups [first_group, first_group + num_groups) of RL step `step`."""
-
-    step: int
-    first_group: int
-    prompt_ids: list[int]  # one per trajectory (members of a group are contiguous)
-    init_seeds: list[int]  # initial-noise seed per trajectory (shared within a group for DanceGRPO)
-    noise_seeds: list[int]  # per-step noise seed per trajectory
-    group_size: int
-    offset: int = 0  # a part of a group (rollout.part_spec): its first trajectory's member index
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.prompt_ids) // self.group_size
-
-
-@dataclasses.dataclass
-class Fragment:
-    """The wire format: everything the trainer needs to train m trajectories (whole groups)."""
-
-    step: int
-    # the fragment's groups are [first_group, first_group + num_groups) of its step
-    first_group: int
-    policy_version: int  # the weights version that generated every trajectory of this fragment
-    producer: int  # rank that generated it (a negative value marks a trainer-assisted fragment)
-    group_size: int
-    prompt_ids: torch.Tensor  # [m] int64
-    cond: dict[str, torch.Tensor]  # prompt embeddings, batch first [m, ...]
-    latents: torch.Tensor  # [m, T_train, *latent] x at each trained timestep
-    # [m, T_train, *latent] x at the following timestep (the scored sample)
-    next_latents: torch.Tensor
-    timestep_index: torch.Tensor  # [m, T_train] int64 position in the sampling schedule
-    sigmas: torch.Tensor  # [m, T_train]
-    sigmas_next: torch.Tensor  # [m, T_train]
-    log_probs: torch.Tensor  # [m, T_train] behaviour log-probs recorded at rollout
-    rewards: torch.Tensor  # [m] the combined reward
-    reward_parts: torch.Tensor  # [m, n_rewards] each named reward (for metrics)
-    advantages: torch.Tensor  # [m]
-    # > 0: a part of a group (one trainer's share of a TAG claim, split by trajectories): the first
-    # trajectory is member `offset` of first_group; no advantages until the shares are joined
-    offset: int = 0
-    # False for a later part of a fragment split at a minibatch boundary
-    opens_fragment: bool = True
-    # > 0: this fragment's rows in one of Flow-GRPO's sample minibatches (grpo.sample_minibatches),
-    # which holds that many samples: its pairs weigh 1/(minibatch_samples T_train), and its rewards
-    # are counted with its whole fragment (grpo.train_by_samples); not on the wire
-    minibatch_samples: int = 0
-
-    @property
-    def num_samples(self) -> int:
-        return int(self.prompt_ids.shape[0])
-
-    @property
-    def num_groups(self) -> int:
-        return self.num_samples // self.group_size
-
-    @property
-    def first_sample(self) -> int:
-        """The first trajectory's index in its step's batch."""
-        return self.first_group * self.group_size + self.offset
-
-    @property
-    def is_whole(self) -> bool:
-        """Whole groups (a rollout fragment, a joined TAG claim), not a part of one."""
-        return self.offset == 0 and self.num_samples % self.group_size == 0
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if isinstance(getattr(self, f.name), torch.Tensor)}
-        out.update({f"cond.{k}": v for k, v in sorted(self.cond.items())})
-        return out
-
-    def to(self, device) -> "Fragment":
-        moved = Fragment.from_parts(self.ints(),
-                                    {k: v.to(device) for k, v in self.tensors().items()})
-        moved.opens_fragment, moved.minibatch_samples = self.opens_fragment, self.minibatch_samples
-        return moved
-
-    def ints(self) -> list[int]:
-        """The header fields, in the order from_parts (and the wire format, transport.py) reads
-        them."""
-        return [self.step, self.first_group, self.policy_version, self.producer, self.group_size,
-                self.offset]
-
-    @staticmethod
-    def from_parts(ints: list[int], tensors: dict[str, torch.Tensor]) -> "Fragment":
-        cond = {k[len("cond."):]: v for k, v in tensors.items() if k.startswith("cond.")}
-        plain = {k: v for k, v in tensors.items() if not k.startswith("cond.")}
-        step, first_group, version, producer, group_size, offset = ints
-        return Fragment(step=step, first_group=first_group, policy_version=version,
-                        producer=producer, group_size=group_size, cond=cond, offset=offset,
-                        **plain)
-
-
-def concat_fragments(parts: list[Fragment]) -> Fragment:
-    """Join sub-fragments of consecutive trajectories (in batch order) back into one fragment."""
-    tensors = [p.tensors() for p in parts]
-    joined = {k: torch.cat([t[k] for t in tensors]) for k in tensors[0]}
-    return Fragment.from_parts(parts[0].ints(), joined)
-
-
 # --- python3 gap.py: the mechanism alone, on fake ranks -------------------------------------------
-def _demo_fragment(spec: FragmentSpec, version: int, producer: int, t_train: int,
-                   dim: int) -> Fragment:
-    """A stand-in for generation: latents from the spec's seeds, reward = the latent's first
-    value."""
-    m = len(spec.prompt_ids)
+class _DemoFragment(NamedTuple):
+    """A stand-in for a generated fragment (fragment.Fragment in a run; the queue never looks inside
+    one): its groups, the rank that made it, and what the demo's trainer reads."""
+
+    first_group: int
+    producer: int
+    latents: torch.Tensor  # [m, T_train, dim]
+    advantages: torch.Tensor  # [m]
+
+
+def _demo_generate(claimed: Claim, producer: int, group_size: int, t_train: int,
+                   dim: int) -> _DemoFragment:
+    """A stand-in for generation: latents seeded by each trajectory's index in the batch (any rank
+    makes the same ones), reward = the latent's first value, advantages within each group."""
+    first = claimed.first_group * group_size
+    seeds = range(first, first + claimed.num_groups * group_size)
     x = torch.stack([torch.randn(t_train, dim, generator=torch.Generator().manual_seed(s))
-                     for s in spec.noise_seeds])  # [m, T_train, dim]
-    rewards = x[:, 0, 0]
-    grouped = rewards.reshape(-1, spec.group_size)
+                     for s in seeds])  # [m, T_train, dim]
+    grouped = x[:, 0, 0].reshape(-1, group_size)
     adv = ((grouped - grouped.mean(1, keepdim=True))
            / (grouped.std(1, keepdim=True) + 1e-4)).reshape(-1)
-    zeros = torch.zeros(m, t_train)
-    return Fragment(spec.step, spec.first_group, version, producer, spec.group_size,
-                    torch.tensor(spec.prompt_ids), {"e": torch.zeros(m, 1)}, x, x,
-                    torch.zeros(m, t_train).long(), zeros, zeros, zeros,
-                    rewards, rewards[:, None], adv)
+    return _DemoFragment(claimed.first_group, producer, x, adv)
 
 
 def _demo() -> None:
@@ -374,16 +247,16 @@ def _demo() -> None:
         claimed = queue.claim(0, 1)
         if claimed is None:
             break
-        spec = fragment_spec(0, 0, claimed.first_group, claimed.num_groups, 10, groups, group_size)
         start, free_at[rank] = free_at[rank], free_at[rank] + gen_s[rank]
         queue.announce(0, claimed.first_group, claimed.num_groups, producer=rank)
-        arrivals.append((free_at[rank], start, _demo_fragment(spec, 0, rank, t_train, dim)))
+        arrivals.append((free_at[rank], start,
+                         _demo_generate(claimed, rank, group_size, t_train, dim)))
     arrivals.sort(key=lambda a: a[0])
     theta = torch.zeros(dim, requires_grad=True)  # the trainer's model: loss = -adv * <theta, x>
     n_pairs = total_pairs(groups, group_size, t_train)
 
-    def train(fragment: Fragment) -> None:
-        weights = pair_weights(torch.ones(fragment.num_samples, t_train), n_pairs)  # [m, T_train]
+    def train(fragment: _DemoFragment) -> None:
+        weights = pair_weights(torch.ones(fragment.latents.shape[:2]), n_pairs)  # [m, T_train]
         (-(fragment.advantages[:, None] * (fragment.latents @ theta) * weights).sum()).backward()
 
     rows, clock = {"rollout 0": {}, "rollout 1": {}, "trainer  ": {}}, 0.0
@@ -408,7 +281,9 @@ def _demo() -> None:
     barrier = arrivals[-1][0] + groups * train_s
     print(f"the step ends at {clock:.1f} s; the naive barrier (train after the last arrival) at "
           f"{barrier:.1f} s")
-    train(concat_fragments([f for _, _, f in sorted(arrivals, key=lambda a: a[2].first_group)]))
+    in_order = [f for _, _, f in sorted(arrivals, key=lambda a: a[2].first_group)]
+    train(_DemoFragment(0, -1, torch.cat([f.latents for f in in_order]),  # the whole batch at once
+                        torch.cat([f.advantages for f in in_order])))
     print(f"streamed gradient == full-batch gradient: {torch.allclose(streamed, theta.grad)}")
 
 

@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from gap import Announcement, Fragment
+from fragment import Fragment
+from gap import Announcement
 
 LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
@@ -294,7 +295,7 @@ def advantages(rewards: torch.Tensor, prompt_keys, group_size: int, per_prompt: 
 
 
 # === Flow-GRPO's several updates per batch (M minibatches, an optimizer update after each) =======
-# The schedules over a step's fragments (gap.Fragment): which rows each update trains, in what
+# The schedules over a step's fragments (fragment.Fragment): which rows each update trains, in what
 # order; the trainer rank's loop (main.TrainerRank.train_batch) calls them.
 # --- several updates per batch: minibatches of whole groups, fixed before the batch is generated --
 def minibatch_bounds(groups_per_step: int, updates: int) -> list[tuple[int, int]]:

@@ -42,7 +42,8 @@ import tag
 import transport
 import tsp
 from flowgrpo import batch_rewards
-from gap import Announcement, Fragment
+from fragment import Fragment, concat_fragments, fragment_spec
+from gap import Announcement
 from infra import bookkeeping, emulate, rundir, runtime
 from infra.fsdp import shard_for_fsdp
 from infra.launch import launch
@@ -75,7 +76,7 @@ class Rank:
         producer's one path (only a colocated rank's calls join several ranges). part=(lo, hi) of
         one range: only those trajectories, advantages left to the joined groups (TAG)."""
         c = self.cfg
-        spec = rollout.joined_specs([gap.fragment_spec(
+        spec = rollout.joined_specs([fragment_spec(
             c.seed, step, first, count, len(self.source.train), c.prompts_per_step, c.group_size,
             c.algo == "dance_grpo") for first, count in ranges])
         spec, make = (spec, rollout.generate_fragment) if part is None else \
@@ -155,10 +156,11 @@ def rollout_rank(r: Rank) -> None:
     receive = transport.WeightReceiver(groups.leader, groups.publish, shapes,
                                        progress=r.job.progress)
     budget = async_policy.StaleBudget(r.job.prefixed("stale"), cfg.max_stale_fragments)
-    weights = async_policy.RolloutWeights(async_policy.Mailbox(receive), params,  # TCSS
+    weights = async_policy.RolloutWeights(transport.Mailbox(receive), params,  # TCSS
                                           budget if cfg.use_tcss else None, sender.raise_if_failed,
                                           tracer, groups.rank == 0)
-    times = tag.RolloutTimes(r.job.prefixed("timing"), groups.rollout_ranks, cfg.fragment_groups)
+    times = transport.RolloutTimes(r.job.prefixed("timing"), groups.rollout_ranks,
+                                   cfg.fragment_groups)
 
     def produce(step: int, claimed: gap.Claim, ahead: bool = False) -> None:
         """Generate a claim, announce it, send it to its trainer (the leader's under TSP)."""
@@ -168,8 +170,7 @@ def rollout_rank(r: Rank) -> None:
         # TAG's predictor reads the rollout ranks' seconds per group
         times.report(groups.rank, time.perf_counter() - start, claimed.num_groups)
         _, dst = r.queue.announce(step, claimed.first_group, claimed.num_groups, groups.rank,
-                                  lambda seq: groups.leader if cfg.tsp else
-                                  groups.trainer_ranks[seq % groups.num_trainers])
+                                  [groups.leader] if cfg.tsp else groups.trainer_ranks)
         sender.put(fragment, dst)
 
     r.job.progress.start()
@@ -207,8 +208,8 @@ def trainer_rank(r: Rank):
     books.evaluate_initial()
     assistant = None
     if cfg.tag and leader:  # TAG: the leader claims a share of the rollout's work for the trainers
-        times = tag.RolloutTimes(r.job.prefixed("timing"), groups.rollout_ranks,
-                                 cfg.fragment_groups)
+        times = transport.RolloutTimes(r.job.prefixed("timing"), groups.rollout_ranks,
+                                       cfg.fragment_groups)
         assistant = tag.Assistant(cfg.prompts_per_step, cfg.fragment_groups,
                                   len(groups.rollout_ranks), groups.num_trainers, quantum=1,
                                   claim=r.queue.claim_samples, claimed=r.queue.num_claimed_samples,
@@ -376,7 +377,7 @@ class TrainerRank:
         g = self.groups
         fragment = tag.assisted_generation(lo, hi, g.num_trainers, g.trainer_index,
                                            generate=functools.partial(self.generate_part, step),
-                                           share=self.links.share_part, join=gap.concat_fragments,
+                                           share=self.links.share_part, join=concat_fragments,
                                            lockstep=self.cfg.fsdp,  # FSDP: the same forwards
                                            batch_size=self.cfg.sample_batch_size)
         if self.assistant is not None:

@@ -16,7 +16,7 @@ import dataclasses
 import torch
 
 import grpo
-from gap import Fragment, FragmentSpec
+from fragment import Fragment, FragmentSpec
 
 
 @dataclasses.dataclass
@@ -248,8 +248,8 @@ def _host(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu")
 
 
-# Evaluation seeds sit far above the training ones (gap.fragment_spec numbers them from (seed, step,
-# index) upwards from 0), so evaluation never replays a trajectory the policy was trained on.
+# Evaluation seeds sit far above the training ones (fragment.fragment_spec numbers them from (seed,
+# step, index) upwards from 0), so evaluation never replays a trajectory the policy was trained on.
 EVAL_SEED = 2**62
 
 

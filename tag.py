@@ -152,22 +152,6 @@ class RunningMean:
             (1 - self.weight) * self.value + self.weight * seconds)
 
 
-class RolloutTimes:
-    """Rollout ranks report how long a group took (a store key per rank); the leader reads the mean,
-    in seconds per fragment of `fragment_groups` groups: the predictor's gen_rollout_s."""
-
-    def __init__(self, store, ranks: list[int], fragment_groups: int):
-        self.store, self.ranks, self.fragment_groups = store, ranks, fragment_groups
-
-    def report(self, rank: int, seconds: float, groups: int) -> None:
-        self.store.set(f"gen/{rank}", f"{seconds / groups}")
-
-    def per_fragment_s(self) -> float | None:
-        reported = [f"gen/{r}" for r in self.ranks if self.store.check([f"gen/{r}"])]
-        per_group = [float(self.store.get(key)) for key in reported]
-        return sum(per_group) / len(per_group) * self.fragment_groups if per_group else None
-
-
 def split_groups(num_items: int, world: int, rank: int) -> tuple[int, int]:
     """Contiguous share [start, end) of `num_items` (TAG: a claim's trajectories) that trainer
     `rank` of `world` generates: every share is the floor or the ceiling of num_items / world."""
@@ -181,9 +165,10 @@ class Assistant:
     The queue is reached through callables (claim, counts) so the file stays self-contained, all in
     TRAJECTORIES: claim(step, n) -> (first_group, num_groups) | None (n a multiple of G: whole
     groups); claimed(step), announced(step) -> int; rollout_gen_s() -> seconds per fragment of
-    fragment_groups groups on a rollout rank, or None. The predictor decides in groups (the trainers
-    split a claim by trajectories: share_groups). group_size 0: whole groups split by whole groups
-    (simulate.py's tag_split="groups")."""
+    fragment_groups groups on a rollout rank, or None (the ranks report theirs through the store:
+    transport.RolloutTimes). The predictor decides in groups (the trainers split a claim by
+    trajectories: share_groups). group_size 0: whole groups split by whole groups (simulate.py's
+    tag_split="groups")."""
 
     def __init__(self, groups_per_step: int, fragment_groups: int, rollout_ranks: int,
                  trainers: int, quantum: int, claim: Callable, claimed: Callable,

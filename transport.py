@@ -1,12 +1,14 @@
 """Transport: the bytes on the wire of the data plane (fragments, weights, commands), in one place.
 
     transport.send_fragment(fragment, dst, group)      # GAP: rollout -> trainer, point to point
-    transport.recv_fragment(src, group)                # -> gap.Fragment
+    transport.recv_fragment(src, group)                # -> fragment.Fragment
     transport.broadcast_fragment(fragment, src, group) # TSP/TAG: the leader's copy to every trainer
     transport.FragmentSender(group, send)              # a background thread, so generation goes on
     transport.publish_weights(tensors, count, version, src, group, dtypes)   # TCSS: the leader
-    transport.WeightReceiver(src, group, shapes)       # TCSS: a rollout rank's mailbox thread
+    transport.WeightReceiver(src, group, shapes)       # TCSS: what a rollout rank receives with
+    transport.Mailbox(receive)                         # TCSS: its receiving thread; swap_into
     transport.broadcast_command(command, src, group)   # TSP: the leader's (kind, a, b)
+    transport.RolloutTimes(store, ranks, fragment_groups)  # TAG: rollout seconds per group, stored
     transport.TrainerLinks(groups, queue, tracer, progress)  # a trainer's receives, shares: named
 
 The mechanism files (gap.py, tsp.py, tag.py, async_policy.py) never touch torch.distributed for
@@ -33,7 +35,8 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from gap import Fragment
+from async_policy import STOP
+from fragment import Fragment
 
 # --- the fragment wire format ---------------------------------------------------------------------
 # int64s: [MAGIC, 6 ints (Fragment.ints), n_tensors, names_len, payload_bytes], then one row per
@@ -300,7 +303,7 @@ class WeightReceiver:
     publish and reused by every later one: one copy of the published weights on the host for the
     whole run (24 GB for FLUX.1-dev's full weights in bf16), where new buffers per publish cost a
     fresh 24 GB allocation (and page faults) per step and two copies at once whenever a publish
-    arrived before the last one was swapped in. The caller (async_policy.Mailbox) must not read the
+    arrived before the last one was swapped in. The caller (Mailbox, below) must not read the
     buffers from begin(version) until the call returns: they are being overwritten. `progress`
     as for receive_weights."""
 
@@ -327,6 +330,116 @@ class WeightReceiver:
                                             self.flats, _bump_of(self.progress))
 
 
+# --- TCSS: a rollout rank's weights mailbox (a receiving thread; swaps between fragments) ---------
+class Mailbox:
+    """Rollout rank: a background thread receives published weights into CPU buffers; the main
+    thread swaps them into the model between fragments. Waits have no deadline: liveness ends a dead
+    job.
+
+    The buffers may be the same for every publish (WeightReceiver: one copy of the weights on the
+    host for the whole run), so a publish that arrives overwrites the last one's buffers: the
+    receive calls begin(version) before it writes them, which waits for a swap in progress to finish
+    and marks them unreadable until the publish is complete. A version the model never took is then
+    gone, which is safe: the next publish can only start once its step is trained, so this rank
+    needs the newer version next. A swap that finds a completed version it has not taken being
+    overwritten waits for the newer one (it must not generate with weights two versions old); with
+    nothing newer than what it holds it returns at once (generating ahead while a publish arrives is
+    TCSS's point)."""
+
+    def __init__(self, receive: Callable[..., tuple[int, list[torch.Tensor]]]):
+        """`receive(begin=...)` blocks until the next publish and returns (version, one tensor per
+        weight), calling begin(version) before it writes into buffers it reuses: WeightReceiver
+        on a gloo group of its own, or a test's stand-in."""
+        self.receive = receive
+        self._cond = threading.Condition()
+        self._ready: tuple[int, list[torch.Tensor]] | None = None  # complete, not yet swapped in
+        self._filling = False  # a publish is being written into the buffers
+        self._swapping = False  # the main thread is copying the buffers into the model
+        self._arrived = -1  # the latest version received completely
+        self._held_version = -1  # version of the weights currently in the model
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="weight-mailbox", daemon=True)
+        self._thread.start()
+
+    def _begin(self, version: int) -> None:
+        with self._cond:
+            while self._swapping:
+                self._cond.wait()
+            self._filling, self._ready = True, None  # what the buffers held is being overwritten
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                version, buffers = self.receive(begin=self._begin)  # blocks until the next publish
+                if version == STOP:
+                    break
+                with self._cond:
+                    self._ready, self._filling = (version, buffers), False
+                    self._arrived = version
+                    self._cond.notify_all()
+        except BaseException as exc:  # noqa: BLE001  (surfaced to the main thread, which raises it)
+            self.error = exc
+        with self._cond:
+            self._cond.notify_all()
+
+    def _raise_if_failed(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"weight mailbox failed: {self.error}") from self.error
+
+    def _wait(self, what: str) -> None:
+        """One wait on the condition (held): at most a second; the thread's failure is raised."""
+        self._raise_if_failed()
+        if not self._thread.is_alive():
+            raise RuntimeError(f"weight mailbox stopped before {what}")
+        self._cond.wait(1.0)
+
+    def latest_version(self) -> int:
+        with self._cond:
+            return self._arrived
+
+    @property
+    def held_version(self) -> int:
+        return self._held_version
+
+    def wait_for(self, version: int, also_check: Callable[[], None] = lambda: None) -> None:
+        """Block until weights of at least `version` have arrived. `also_check` runs at least once a
+        second while waiting and may raise: the rollout's fragment sender, whose failure means they
+        never will."""
+        with self._cond:
+            while self._arrived < version:
+                also_check()
+                self._wait(f"version {version} arrived")
+
+    def swap_into(self, params: list[torch.Tensor]) -> int:
+        """Copy the latest weights into the model (call only between fragments); returns the held
+        version."""
+        self._raise_if_failed()
+        with self._cond:
+            while self._filling and self._arrived > self._held_version:  # the newest one is being
+                self._wait("a publish being received completed")  # overwritten: take the next
+            latest = self._ready
+            if latest is None or latest[0] <= self._held_version:
+                return self._held_version
+            self._swapping = True  # the receive waits before overwriting the buffers
+        try:
+            with torch.no_grad():
+                for p, t in zip(params, latest[1]):
+                    p.copy_(t)
+        finally:
+            with self._cond:
+                self._swapping = False
+                self._ready = None  # taken
+                self._held_version = latest[0]
+                self._cond.notify_all()
+        return self._held_version
+
+    def join(self) -> None:
+        """Wait for the thread to finish (after the leader's STOP); a failure is raised here."""
+        self._thread.join()
+        self._raise_if_failed()
+
+
 # --- TSP's commands -------------------------------------------------------------------------------
 def broadcast_command(command: tuple[int, int, int] | None, src: int,
                       group) -> tuple[int, int, int]:
@@ -336,6 +449,23 @@ def broadcast_command(command: tuple[int, int, int] | None, src: int,
     message = torch.tensor(command if command is not None else (0, 0, 0), dtype=torch.int64)
     dist.broadcast(message, src=src, group=group)
     return tuple(int(x) for x in message)
+
+
+# --- TAG's input: the rollout ranks' generation times, through the job's store ------------------
+class RolloutTimes:
+    """Rollout ranks report how long a group took (a store key per rank); the leader reads the mean,
+    in seconds per fragment of `fragment_groups` groups: tag.Assistant's rollout_gen_s."""
+
+    def __init__(self, store, ranks: list[int], fragment_groups: int):
+        self.store, self.ranks, self.fragment_groups = store, ranks, fragment_groups
+
+    def report(self, rank: int, seconds: float, groups: int) -> None:
+        self.store.set(f"gen/{rank}", f"{seconds / groups}")
+
+    def per_fragment_s(self) -> float | None:
+        reported = [f"gen/{r}" for r in self.ranks if self.store.check([f"gen/{r}"])]
+        per_group = [float(self.store.get(key)) for key in reported]
+        return sum(per_group) / len(per_group) * self.fragment_groups if per_group else None
 
 
 # --- a trainer's receives and broadcasts, each inside its named phase -----------------------------

@@ -221,7 +221,7 @@ def _demo() -> None:
 
     m, t_train, trainers, pack, dim = 3, 4, 2, 4, 5
     g = torch.Generator().manual_seed(0)
-    fragment = types.SimpleNamespace(  # a fragment's tensors, as gap.Fragment holds them
+    fragment = types.SimpleNamespace(  # a fragment's tensors, as fragment.Fragment holds them
         latents=torch.randn(m, t_train, dim, generator=g),
         next_latents=torch.randn(m, t_train, dim, generator=g),
         sigmas=torch.rand(m, t_train, generator=g), sigmas_next=torch.rand(m, t_train, generator=g),

@@ -37,7 +37,7 @@ from typing import ContextManager
 import torch
 
 import grpo
-from gap import Fragment
+from fragment import Fragment
 
 
 def is_batch_level(cfg) -> bool:

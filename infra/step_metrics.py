@@ -116,7 +116,7 @@ def count_fragment(m: MetricSums, fragment, version: int, reward_names: list[str
                    collapsed_std: float) -> None:
     """Reward and staleness metrics of a fragment into `m`, against the trainer's weights `version`
     (call on exactly one trainer per fragment). A trainer-assisted (TAG) fragment has a negative
-    producer (gap.Fragment)."""
+    producer (fragment.Fragment)."""
     n = fragment.num_samples
     staleness = version - fragment.policy_version
     m.add("trajectories", n)

@@ -78,9 +78,9 @@ def tiny_fragment(noise_level: float = 0.7):
     (policy, sampling, reward, prompts, spec, fragment). Needs the tiny_cache fixture."""
     import torch
 
-    import gap
     import models
     import rewards
+    from fragment import fragment_spec
     from rollout import SamplingConfig, generate_fragment
 
     torch.manual_seed(0)
@@ -89,8 +89,8 @@ def tiny_fragment(noise_level: float = 0.7):
     sampling = SamplingConfig(num_steps=4, noise_level=noise_level)  # T_train = int(4 * 0.99) = 3
     reward = rewards.build_reward("color")
     prompts = rewards.color_prompts("train")
-    spec = gap.fragment_spec(seed=0, step=0, first_group=0, num_groups=2, num_prompts_total=3, groups_per_step=2,
-                             group_size=3)
+    spec = fragment_spec(seed=0, step=0, first_group=0, num_groups=2, num_prompts_total=3, groups_per_step=2,
+                         group_size=3)
     fragment = generate_fragment(policy, spec, prompts, sampling, reward, version=0, producer=0)
     return policy, sampling, reward, prompts, spec, fragment
 

@@ -29,11 +29,11 @@ from flowgrpo import batch_rewards
 import cli
 import config
 import comm
-import gap
 import grpo
 import models
 import rewards
 from conftest import checkpoint_weights, read_metrics, run_forked, trainer_rank_of
+from fragment import Fragment
 from test_advantages import flow_grpo_train_sd3_advantages
 
 pytestmark = pytest.mark.timeout(600)
@@ -55,17 +55,17 @@ def _table(seed: int = 0) -> torch.Tensor:
     return torch.cat([rows[p]() for p in PROMPTS])
 
 
-def _fragment(rewards: torch.Tensor, first: int, count: int, step: int = 0) -> gap.Fragment:
+def _fragment(rewards: torch.Tensor, first: int, count: int, step: int = 0) -> Fragment:
     """Groups [first, first + count) of the batch, advantages per group (as rollout makes them)."""
     r = rewards[first * G:(first + count) * G]
     m, z = r.numel(), torch.zeros
     ids = torch.tensor([IDS[p] for p in PROMPTS[first:first + count] for _ in range(G)])
-    return gap.Fragment(step=step, first_group=first, policy_version=0, producer=first,
-                        group_size=G, prompt_ids=ids, cond={}, latents=z(m, 1, 2),
-                        next_latents=z(m, 1, 2), timestep_index=z(m, 1, dtype=torch.long),
-                        sigmas=z(m, 1), sigmas_next=z(m, 1),
-                        log_probs=z(m, 1), rewards=r, reward_parts=r[:, None],
-                        advantages=grpo.group_advantages(r, G))
+    return Fragment(step=step, first_group=first, policy_version=0, producer=first,
+                    group_size=G, prompt_ids=ids, cond={}, latents=z(m, 1, 2),
+                    next_latents=z(m, 1, 2), timestep_index=z(m, 1, dtype=torch.long),
+                    sigmas=z(m, 1), sigmas_next=z(m, 1),
+                    log_probs=z(m, 1), rewards=r, reward_parts=r[:, None],
+                    advantages=grpo.group_advantages(r, G))
 
 
 def _cfg(**kw) -> config.Config:
@@ -239,7 +239,7 @@ ONE_STEP = ["--steps", "1", "--prompts-per-step", "4", "--group-size", "2", "--n
 
 
 def test_a_dealt_run_with_batch_statistics_makes_the_one_process_update(tiny_cache, tmp_path):
-    """Two prompts, 4 groups a step: each prompt is in the batch twice (gap.fragment_spec permutes
+    """Two prompts, 4 groups a step: each prompt is in the batch twice (fragment.fragment_spec permutes
     max(prompts, groups) indices modulo the prompts). Disaggregated with 2 trainers and no TSP, each
     trainer holds half the fragments and restates them from the store; its update (SGD, lr 1: minus
     the gradient) equals the one-process run's, which holds the whole batch, and differs from the

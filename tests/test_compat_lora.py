@@ -26,13 +26,13 @@ PROMPTS = ["a red image", "a blue image"]
 
 def one_rl_step(policy):
     """Generate one group of 2 and take one optimizer step (the public rollout / trainer APIs)."""
-    import gap
     import rewards
     import tsp
+    from fragment import fragment_spec
     from rollout import SamplingConfig, generate_fragment
     from trainer import TrainConfig, Trainer
 
-    spec = gap.fragment_spec(0, 0, 0, 1, len(PROMPTS), 1, 2)
+    spec = fragment_spec(0, 0, 0, 1, len(PROMPTS), 1, 2)
     reward = rewards.build_reward("color,jpeg_compressibility=0.1")  # two terms: the group's scores differ
     fragment = generate_fragment(policy, spec, PROMPTS, SamplingConfig(num_steps=2), reward, 0, 0)
     trainer = Trainer(policy, TrainConfig(lr=1e-2))

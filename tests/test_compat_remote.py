@@ -313,17 +313,17 @@ def test_one_update_moves_the_policy_toward_the_servers_scores(tiny_cache):
     """Learning from the server: after one optimizer step on a fragment scored by the server, the clipped policy
     loss of the same trajectories is negative (it is 0 before: ratios 1, zero-mean advantages), i.e. the policy
     now gives the trajectories the server scored higher more probability than those it scored lower."""
-    import gap
     import models
     import rewards
     import tsp
+    from fragment import fragment_spec
     from rollout import SamplingConfig, generate_fragment
     from trainer import TrainConfig, Trainer
 
     policy = models.load("flux", models.tiny_pipeline_path("flux"), "cpu", torch.float32, max_sequence_length=16)
     models.enable_full_training(policy)
     options = rewards.RewardOptions(remote_timeout_s=5.0, remote_retries=0, remote_protocol="flow_grpo")
-    spec = gap.fragment_spec(0, 0, 0, 1, 1, 1, 4)  # one group of 4 samples of one prompt
+    spec = fragment_spec(0, 0, 0, 1, 1, 1, 4)  # one group of 4 samples of one prompt
     with pickle_server(geneval_answer) as (url, log):
         options.remote_url = url
         reward = rewards.build_reward("remote", options)

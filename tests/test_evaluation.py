@@ -41,14 +41,14 @@ def test_a_model_that_ignores_the_prompt_scores_exactly_zero(policy, monkeypatch
 
 
 def test_evaluation_is_deterministic_and_uses_seeds_apart_from_training(policy):
-    import gap
+    from fragment import fragment_spec
 
     cfg, reward = SamplingConfig(num_steps=3), rewards.build_reward("color")
     a = evaluate(policy, TRAIN[:1], cfg, reward, seeds_per_prompt=2)[1]
     b = evaluate(policy, TRAIN[:1], cfg, reward, seeds_per_prompt=2)[1]
     torch.testing.assert_close(a, b, rtol=0, atol=0)
     # training noises of a long run at any small seed stay far below the evaluation's
-    spec = gap.fragment_spec(99, 10**5, 31, 3, 64, 64, 1)
+    spec = fragment_spec(99, 10**5, 31, 3, 64, 64, 1)
     assert max(spec.init_seeds + spec.noise_seeds) < EVAL_SEED
 
 

@@ -1,5 +1,5 @@
 """The rollout rank's background threads fail loudly: an error in the fragment sender (transport.FragmentSender)
-or in the weight mailbox (async_policy.Mailbox) ends the rank's main thread with a message naming the thread,
+or in the weight mailbox (transport.Mailbox) ends the rank's main thread with a message naming the thread,
 wherever the main thread is at that moment; never a hang (no wait has a deadline, and liveness sees two
 live ranks that each wait for the other).
 
@@ -30,6 +30,7 @@ import main
 import async_policy
 import transport
 from conftest import ROOT
+from fragment import Fragment
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -39,10 +40,10 @@ STEPS = 3
 def _fragment(step, first, count, version, producer, group_size=2):
     m = count * group_size
     z = torch.zeros
-    return gap.Fragment(step=step, first_group=first, policy_version=version, producer=producer, group_size=group_size,
-                        prompt_ids=z(m, dtype=torch.long), cond={"e": z(m, 3)}, latents=z(m, 1, 4),
-                        next_latents=z(m, 1, 4), timestep_index=z(m, 1, dtype=torch.long), sigmas=z(m, 1),
-                        sigmas_next=z(m, 1), log_probs=z(m, 1), rewards=z(m), reward_parts=z(m, 1), advantages=z(m))
+    return Fragment(step=step, first_group=first, policy_version=version, producer=producer, group_size=group_size,
+                    prompt_ids=z(m, dtype=torch.long), cond={"e": z(m, 3)}, latents=z(m, 1, 4),
+                    next_latents=z(m, 1, 4), timestep_index=z(m, 1, dtype=torch.long), sigmas=z(m, 1),
+                    sigmas_next=z(m, 1), log_probs=z(m, 1), rewards=z(m), reward_parts=z(m, 1), advantages=z(m))
 
 
 def _worker(rank, world, store, fault, use_tcss, fragment_groups, groups_per_step):
@@ -81,10 +82,10 @@ def _worker(rank, world, store, fault, use_tcss, fragment_groups, groups_per_ste
 
     sender = transport.FragmentSender(failing_send)
     budget = async_policy.StaleBudget(dist.PrefixStore("stale", store), 1) if use_tcss else None
-    weights = async_policy.RolloutWeights(async_policy.Mailbox(failing_receive), params, budget, also_check=sender.raise_if_failed)
+    weights = async_policy.RolloutWeights(transport.Mailbox(failing_receive), params, budget, also_check=sender.raise_if_failed)
     def produce(step, claimed, ahead=False):  # main.rollout_rank's, with a scripted generation
         fragment = generate(step, claimed.first_group, claimed.num_groups, weights.version(step, ahead))
-        queue.announce(step, claimed.first_group, claimed.num_groups, 0, lambda seq: 1)
+        queue.announce(step, claimed.first_group, claimed.num_groups, 0, [1])
         sender.put(fragment, 1)
 
     main.rollout_loop(range(STEPS), queue, fragment_groups, weights, produce)

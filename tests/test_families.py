@@ -6,12 +6,12 @@ import shutil
 import pytest
 import torch
 
-import gap
 import grpo
 import models
 import rewards
 import tsp
 from conftest import trainable_state
+from fragment import fragment_spec
 from rollout import SamplingConfig, generate_fragment
 
 pytestmark = pytest.mark.timeout(300)
@@ -194,8 +194,8 @@ def test_training_velocity_reproduces_the_rollout(name, built):
     policy = models.load(name, built(name))
     models.enable_full_training(policy)
     prompts = rewards.color_prompts("train")
-    spec = gap.fragment_spec(seed=0, step=0, first_group=0, num_groups=1, num_prompts_total=len(prompts),
-                             groups_per_step=1, group_size=2)
+    spec = fragment_spec(seed=0, step=0, first_group=0, num_groups=1, num_prompts_total=len(prompts),
+                         groups_per_step=1, group_size=2)
     cfg = SamplingConfig(num_steps=3, noise_level=0.7)
     reward = rewards.build_reward("color,temporal_consistency=0.5" if policy.family.is_video else "color")
     fragment = generate_fragment(policy, spec, prompts, cfg, reward, version=0, producer=0)

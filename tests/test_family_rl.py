@@ -111,9 +111,9 @@ def test_one_rl_step_trains_the_lora(name, trained):
 def test_rollout_and_training_batches_carry_true_cfg(name, tiny_cache):
     """Qwen-Image, Wan and SD3: the rollout's and the trainer's transformer calls both hold cond and "" uncond rows
     with the same guidance; FLUX and HunyuanVideo (guidance-distilled): one branch only."""
-    import gap
     import rewards
     import tsp
+    from fragment import fragment_spec
     from rollout import SamplingConfig, generate_fragment
     from trainer import TrainConfig, Trainer
 
@@ -127,7 +127,7 @@ def test_rollout_and_training_batches_carry_true_cfg(name, tiny_cache):
     hook = policy.transformer.register_forward_pre_hook(record, with_kwargs=True)
     try:
         prompts = rewards.color_prompts("train")
-        spec = gap.fragment_spec(0, 0, 0, 1, len(prompts), 1, 2)
+        spec = fragment_spec(0, 0, 0, 1, len(prompts), 1, 2)
         fragment = generate_fragment(policy, spec, prompts, SamplingConfig(num_steps=2), rewards.build_reward("color"), 0, 0)
         trainer = Trainer(policy, TrainConfig())
         packs = tsp.per_timestep_packs(*fragment.latents.shape[:2])

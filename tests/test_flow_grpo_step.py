@@ -31,9 +31,9 @@ import torch
 
 from flowgrpo import batch_rewards
 import config
-import gap
 import grpo
 import models
+from fragment import fragment_spec
 from conftest import tiny_fragment, trainer_rank_of  # noqa: F401  (the tiny_cache fixture comes with conftest)
 from rollout import SamplingConfig, generate_fragment
 from test_reference_steps import flow_grpo_sde_step_with_logprob as sde_step_with_logprob
@@ -90,7 +90,7 @@ def trajectories(policy, cfg):
     fragments = []
     prompts = PROMPTS[cfg.model]
     for group in range(len(prompts)):
-        spec = gap.fragment_spec(cfg.seed, 0, group, 1, len(prompts), len(prompts), G)
+        spec = fragment_spec(cfg.seed, 0, group, 1, len(prompts), len(prompts), G)
         fragment = generate_fragment(policy, spec, prompts, sampling, reward, version=0, producer=0)
         shift = 6e-4 * (torch.rand(fragment.log_probs.shape, generator=torch.Generator().manual_seed(group)) - 0.5)
         fragments.append(dataclasses.replace(fragment, log_probs=fragment.log_probs + shift))

@@ -5,11 +5,11 @@ Run: python -m pytest -q tests/test_full_finetune.py
 import pytest
 import torch
 
-import gap
 import main
 import models
 import rewards
 import tsp
+from fragment import fragment_spec
 from rollout import SamplingConfig, generate_fragment
 from trainer import TrainConfig, Trainer
 
@@ -35,7 +35,7 @@ def _one_step(policy, fragment, lr):
 
 def test_fp32_master_weights_keep_the_lr_1e_5_update_that_a_pure_bf16_step_loses(tiny_cache):
     rollout = _bf16_policy(fp32_master=False)  # the rollout side: pure bf16, as rollout ranks run
-    spec = gap.fragment_spec(0, 0, 0, 2, 3, 2, 3)
+    spec = fragment_spec(0, 0, 0, 2, 3, 2, 3)
     fragment = generate_fragment(rollout, spec, rewards.color_prompts("train"), SamplingConfig(num_steps=4),
                                  rewards.build_reward("color"), version=0, producer=0)
     pure, pure_before, pure_grads, pure_metrics = _one_step(rollout, fragment, lr=1e-5)

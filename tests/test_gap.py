@@ -1,5 +1,5 @@
-"""transport.py: a gap.Fragment round-trips through send/recv and broadcast bit-exactly; concurrent claims are
-unique. transport.py's bucketed publishing into async_policy.Mailbox, in the same three processes: published weights reach the rollout's model (Mailbox.swap_into),
+"""transport.py: a fragment.Fragment round-trips through send/recv and broadcast bit-exactly; concurrent claims are
+unique. transport.py's bucketed publishing into transport.Mailbox, in the same three processes: published weights reach the rollout's model (Mailbox.swap_into),
 in the rollout's dtype, newest version first (catches a mailbox that reports a version it never copied in)."""
 import pytest
 import torch
@@ -12,6 +12,7 @@ import gap
 import grpo
 import async_policy
 import transport
+from fragment import Fragment, fragment_spec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -19,14 +20,14 @@ pytestmark = pytest.mark.timeout(120)
 def _fragment():
     g = torch.Generator().manual_seed(0)
     m, t = 4, 3
-    return gap.Fragment(step=7, first_group=2, policy_version=6, producer=0, group_size=2,
-                        prompt_ids=torch.tensor([1, 1, 0, 0]), cond={"b": torch.randn(m, 5, 3, generator=g),
-                                                                    "a": torch.randn(m, 2, generator=g).bfloat16()},
-                        latents=torch.randn(m, t, 8, 4, generator=g), next_latents=torch.randn(m, t, 8, 4, generator=g),
-                        timestep_index=torch.arange(t).repeat(m, 1), sigmas=torch.rand(m, t, generator=g),
-                        sigmas_next=torch.rand(m, t, generator=g), log_probs=torch.randn(m, t, generator=g),
-                        rewards=torch.randn(m, generator=g), reward_parts=torch.randn(m, 2, generator=g),
-                        advantages=torch.randn(m, generator=g))
+    return Fragment(step=7, first_group=2, policy_version=6, producer=0, group_size=2,
+                    prompt_ids=torch.tensor([1, 1, 0, 0]), cond={"b": torch.randn(m, 5, 3, generator=g),
+                                                                "a": torch.randn(m, 2, generator=g).bfloat16()},
+                    latents=torch.randn(m, t, 8, 4, generator=g), next_latents=torch.randn(m, t, 8, 4, generator=g),
+                    timestep_index=torch.arange(t).repeat(m, 1), sigmas=torch.rand(m, t, generator=g),
+                    sigmas_next=torch.rand(m, t, generator=g), log_probs=torch.randn(m, t, generator=g),
+                    rewards=torch.randn(m, generator=g), reward_parts=torch.randn(m, 2, generator=g),
+                    advantages=torch.randn(m, generator=g))
 
 
 def _same(a, b):
@@ -64,7 +65,7 @@ def _worker(rank, world, store):
     else:
         params = [torch.zeros(3), torch.zeros(2, 2, dtype=torch.bfloat16), torch.zeros(10), torch.zeros(())]
         shapes = [(p.shape, p.dtype) for p in params]
-        mailbox = async_policy.Mailbox(transport.WeightReceiver(2, dist.group.WORLD, shapes, 20))
+        mailbox = transport.Mailbox(transport.WeightReceiver(2, dist.group.WORLD, shapes, 20))
         mailbox.wait_for(2)
         assert mailbox.swap_into(params) == 2 == mailbox.held_version
         mailbox.join()
@@ -103,11 +104,11 @@ def test_publish_packs_small_tensors_into_buckets_and_the_mailbox_cuts_them_the_
 
 
 def test_fragment_specs_are_deterministic_and_whole_groups():
-    a = gap.fragment_spec(1, 4, 4, 2, num_prompts_total=5, groups_per_step=6, group_size=3)
-    b = gap.fragment_spec(1, 4, 4, 2, num_prompts_total=5, groups_per_step=6, group_size=3)
+    a = fragment_spec(1, 4, 4, 2, num_prompts_total=5, groups_per_step=6, group_size=3)
+    b = fragment_spec(1, 4, 4, 2, num_prompts_total=5, groups_per_step=6, group_size=3)
     assert a == b and len(a.prompt_ids) == 6
     assert a.prompt_ids[0] == a.prompt_ids[2] and len(set(a.noise_seeds)) == 6
-    dance = gap.fragment_spec(1, 4, 4, 2, 5, 6, 3, shared_group_noise=True)
+    dance = fragment_spec(1, 4, 4, 2, 5, 6, 3, shared_group_noise=True)
     assert dance.init_seeds[0] == dance.init_seeds[2] != dance.init_seeds[3]
     with pytest.raises(ValueError, match="must divide"):
         gap.num_fragments(6, 4)
@@ -137,14 +138,25 @@ def test_every_colocated_rank_trains_in_every_update(groups, fragment_groups, up
             [g for f, c in share for g in range(f, f + c)]
 
 
+def _seeded_fragment(spec, version: int, producer: int, t_train: int, dim: int) -> Fragment:
+    """A stand-in for generation: latents from the spec's seeds, reward = the latent's first value."""
+    m = len(spec.prompt_ids)
+    x = torch.stack([torch.randn(t_train, dim, generator=torch.Generator().manual_seed(s))
+                     for s in spec.noise_seeds])  # [m, T_train, dim]
+    rewards, zeros = x[:, 0, 0], torch.zeros(m, t_train)
+    return Fragment(spec.step, spec.first_group, version, producer, spec.group_size, torch.tensor(spec.prompt_ids),
+                    {"e": torch.zeros(m, 1)}, x, x, torch.zeros(m, t_train).long(), zeros, zeros, zeros,
+                    rewards, rewards[:, None], grpo.group_advantages(rewards, spec.group_size))
+
+
 def test_generation_batches_and_split_rows_by_hand():
     """B = 4, M = 2, P = 2: rank 0 holds groups 0 and 2, one call of 2 groups (8 samples at G = 4, as one
     Flow-GRPO sampling batch), cut back into the fragments of groups [0, 1) and [2, 3)."""
     assert grpo.static_claims(grpo.minibatch_bounds(4, 2), 0, 2) == [(0, 1), (2, 1)]
     assert grpo.generation_batches([(0, 1), (2, 1)], 2) == [[(0, 1), (2, 1)]]
     assert grpo.generation_batches([(0, 3), (6, 3)], 2) == [[(0, 2)], [(2, 1), (6, 1)], [(7, 2)]]
-    spec = gap.fragment_spec(0, 0, 0, 4, 10, 4, 2)
-    whole = gap._demo_fragment(spec, 3, 1, 2, 3)  # groups [0, 4), 8 rows
+    spec = fragment_spec(0, 0, 0, 4, 10, 4, 2)
+    whole = _seeded_fragment(spec, 3, 1, 2, 3)  # groups [0, 4), 8 rows
     parts = rollout.split_rows(whole, [(0, 1), (2, 3)])
     assert [(p.first_group, p.num_groups, p.policy_version, p.producer) for p in parts] == [(0, 1, 3, 1), (2, 3, 3, 1)]
     torch.testing.assert_close(parts[1].latents, whole.latents[2:])

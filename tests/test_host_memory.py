@@ -179,7 +179,7 @@ def test_a_rollout_rank_receives_every_publish_into_the_same_buffers(monkeypatch
 
 
 class ScriptedPublish:
-    """A receive for async_policy.Mailbox over persistent buffers, paced by the test: publish v waits for go[v], calls
+    """A receive for transport.Mailbox over persistent buffers, paced by the test: publish v waits for go[v], calls
     begin(v) (then sets begun[v]), writes the first buffer, waits for `resume` if v is `pause_at`, writes the rest.
     After `last` it sends async_policy.STOP."""
 
@@ -220,7 +220,7 @@ def test_the_mailbox_never_swaps_in_a_publish_half_received_into_reused_buffers(
     pauses halfway: a swap waits, then takes all of version 2. Holding version 2, a swap during version 3's
     receive returns at once, still with version 2."""
     wire = ScriptedPublish(3, last=3)
-    mailbox = async_policy.Mailbox(wire)
+    mailbox = transport.Mailbox(wire)
     params = [torch.zeros(4) for _ in range(3)]
     wire.go[1].set()
     mailbox.wait_for(1)
@@ -253,7 +253,7 @@ def test_a_publish_waits_for_the_swap_reading_its_buffers():
     """Catches a receive that overwrites the buffers while the main thread copies them into the model: begin() of
     the next publish returns only after the swap in progress has finished."""
     wire = ScriptedPublish(1, last=2)
-    mailbox = async_policy.Mailbox(wire)
+    mailbox = transport.Mailbox(wire)
     copying, release = threading.Event(), threading.Event()
 
     class SlowParam:  # the model's weight; its copy is held halfway by the test
@@ -284,13 +284,12 @@ def _probe_rank(payload, rank, world, local_rank, master, agent_store, report_si
     os.environ.update(payload.pop("_env"))  # forked from the forkserver: the test's variables
     import main
     import models
-    import async_policy as tcss_lib
     from infra import bookkeeping, runtime
 
     out = {}
     fp32 = NewStorages(dtype=torch.float32)
     load, enable, shard = runtime.load_policy, models.enable_full_training, main.shard_for_fsdp
-    record, run = bookkeeping.Bookkeeping._record, tcss_lib.Mailbox._run
+    record, run = bookkeeping.Bookkeeping._record, transport.Mailbox._run
 
     def load_policy(*args, **kwargs):
         policy = load(*args, **kwargs)
@@ -322,7 +321,7 @@ def _probe_rank(payload, rank, world, local_rank, master, agent_store, report_si
 
     runtime.load_policy, models.enable_full_training, main.shard_for_fsdp = load_policy, enable_full_training, \
         shard_for_fsdp
-    bookkeeping.Bookkeeping._record, tcss_lib.Mailbox._run = _record, _run
+    bookkeeping.Bookkeeping._record, transport.Mailbox._run = _record, _run
     code = main.run_rank(payload, rank, world, local_rank, master, agent_store, report_silent)
     with open(os.path.join(os.environ["DIGENRL_MEMORY_PROBE"], f"rank{rank}.json"), "w") as f:
         json.dump(out, f)

@@ -157,13 +157,14 @@ def test_nothing_points_outside_the_repository():
 
 # --- line width, main.py's length, function length ------------------------------------------------
 MAX_COLUMNS = 100
-WRAPPED = ["main.py", "config.py", "gap.py", "tsp.py", "tag.py", "async_policy.py", "rollout.py",
+WRAPPED = ["main.py", "config.py", "fragment.py", "gap.py", "tsp.py", "tag.py", "async_policy.py", "rollout.py",
            "trainer.py", "grpo.py", "transport.py", "comm.py", "flowgrpo/batch_rewards.py",
            "flowgrpo/ema.py", "flowgrpo/presets.py"]
 # issue 41: main.py writes out both ranks' loops, the colocated baseline's share and TAG's generation on
 # the trainers ("about 300 lines is fine; size is secondary": one step readable without leaving main.py)
 MAIN_MAX_LINES = 410
-CORE = ["main.py", "gap.py", "tsp.py", "tag.py", "async_policy.py", "rollout.py", "trainer.py", "grpo.py"]
+CORE = ["main.py", "fragment.py", "gap.py", "tsp.py", "tag.py", "async_policy.py", "rollout.py", "trainer.py",
+        "grpo.py"]
 MAX_FUNCTION_LINES = 60
 
 

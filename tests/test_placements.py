@@ -104,10 +104,10 @@ def test_the_one_process_update_is_minus_the_gradient_of_the_plain_objective(run
     updates (Flow-GRPO's inner updates): minus the gradient of minibatch [0, 2)'s mean objective, then minus
     that of [2, 4)'s at the moved weights, its ratio against the log-probs the rollout recorded."""
     import config
-    import gap
     import grpo
     import models
     import rewards
+    from fragment import fragment_spec
     from rollout import SamplingConfig, generate_fragment
     from test_truth import NOISE_LEVEL, plain_flow_grpo_loss
 
@@ -121,7 +121,7 @@ def test_the_one_process_update_is_minus_the_gradient_of_the_plain_objective(run
     params = dict(policy.transformer.named_parameters())
     assert all(torch.equal(params[k].detach(), initial[k]) for k in weights)
     prompts = rewards.prompt_source(cfg).train
-    spec = gap.fragment_spec(cfg.seed, 0, 0, 4, len(prompts), 4, 2)  # the whole batch: 4 groups of 2
+    spec = fragment_spec(cfg.seed, 0, 0, 4, len(prompts), 4, 2)  # the whole batch: 4 groups of 2
     sampling = SamplingConfig(num_steps=3, noise_level=NOISE_LEVEL)  # T_train = int(3 * 0.99) = 2
     fragment = generate_fragment(policy, spec, prompts, sampling, rewards.build_reward("color"), 0, 0)
     assert float(fragment.rewards.mean()) == pytest.approx(metrics[0]["reward_mean"], abs=1e-6)

@@ -41,6 +41,7 @@ import tsp
 import comm
 import config
 from conftest import trainer_rank_of
+from fragment import Fragment, concat_fragments, fragment_spec
 from trainer import TrainConfig, Trainer
 
 
@@ -74,14 +75,14 @@ class OneWeightPolicy:
 
 def _fragment(version, m=2, t_train=2, dim=4, advantages=None):
     g = torch.Generator().manual_seed(0)
-    return gap.Fragment(step=version, first_group=0, policy_version=version, producer=0, group_size=2,
-                        prompt_ids=torch.zeros(m, dtype=torch.long), cond={"e": torch.zeros(m, 1)},
-                        latents=torch.randn(m, t_train, dim, generator=g),
-                        next_latents=torch.randn(m, t_train, dim, generator=g),
-                        timestep_index=torch.arange(t_train).repeat(m, 1), sigmas=torch.full((m, t_train), 0.8),
-                        sigmas_next=torch.full((m, t_train), 0.6), log_probs=torch.zeros(m, t_train),
-                        rewards=torch.linspace(0, 1, m), reward_parts=torch.zeros(m, 1),
-                        advantages=torch.linspace(-1, 1, m) if advantages is None else advantages)
+    return Fragment(step=version, first_group=0, policy_version=version, producer=0, group_size=2,
+                    prompt_ids=torch.zeros(m, dtype=torch.long), cond={"e": torch.zeros(m, 1)},
+                    latents=torch.randn(m, t_train, dim, generator=g),
+                    next_latents=torch.randn(m, t_train, dim, generator=g),
+                    timestep_index=torch.arange(t_train).repeat(m, 1), sigmas=torch.full((m, t_train), 0.8),
+                    sigmas_next=torch.full((m, t_train), 0.6), log_probs=torch.zeros(m, t_train),
+                    rewards=torch.linspace(0, 1, m), reward_parts=torch.zeros(m, 1),
+                    advantages=torch.linspace(-1, 1, m) if advantages is None else advantages)
 
 
 def _trainer(version, **kw):
@@ -182,9 +183,13 @@ def test_claims_are_contiguous_group_ranges_cut_at_the_batch_end():
     assert [queue.claim(0, 3) for _ in range(4)] == [(0, 3), (3, 3), (6, 1), None]
     assert queue.num_claimed_samples(0) == 7  # group size 1: trajectories are groups
     assert queue.claim(1, 2) == (0, 2) and queue.claim(1, 1) == (2, 1) and queue.num_claimed_samples(1) == 3
-    seq, dst = queue.announce(1, 0, 2, producer=4, destination_of=lambda s: 10 + s)
+    seq, dst = queue.announce(1, 0, 2, producer=4, destinations=[10, 11])
     assert (seq, dst) == (0, 10) and queue.num_announced_samples(1) == 2
     assert queue.poll(1, 0) == gap.Announcement(4, 0, 2, 10) and queue.poll(1, 1) is None
+    # the trainers in turn (main.py's rollout without TSP): the next announcement goes to the next one
+    assert queue.announce(1, 2, 1, producer=4, destinations=[10, 11]) == (1, 11)
+    assert queue.announce(1, 3, 1, producer=4, destinations=[10, 11]) == (2, 10)
+    assert queue.poll(1, 1) == gap.Announcement(4, 2, 1, 11) and queue.num_announced_samples(1) == 4
     queue.forget(1)
     assert queue.claim(1, 2) == (0, 2)  # forgotten: the step starts from scratch
     queue = gap.FragmentQueue(dist.HashStore(), groups_per_step=4, group_size=3)  # the counter counts trajectories
@@ -232,16 +237,16 @@ def test_claims_racing_on_a_real_tcpstore_never_overlap_and_cover_the_batch():
 
 
 def test_any_cut_of_the_batch_gives_the_same_trajectories():
-    whole = gap.fragment_spec(7, 3, 0, 6, num_prompts_total=5, groups_per_step=6, group_size=3)
+    whole = fragment_spec(7, 3, 0, 6, num_prompts_total=5, groups_per_step=6, group_size=3)
     for cut in ([1] * 6, [2, 2, 2], [4, 2], [3, 1, 2]):
         first, parts = 0, []
         for n in cut:
-            parts.append(gap.fragment_spec(7, 3, first, n, 5, 6, 3))
+            parts.append(fragment_spec(7, 3, first, n, 5, 6, 3))
             first += n
         for field in ("prompt_ids", "init_seeds", "noise_seeds"):
             assert sum((getattr(p, field) for p in parts), []) == getattr(whole, field), (cut, field)
     assert len(set(whole.noise_seeds + whole.init_seeds)) == 36  # every trajectory has its own seeds
-    other_step = gap.fragment_spec(7, 4, 0, 6, 5, 6, 3)
+    other_step = fragment_spec(7, 4, 0, 6, 5, 6, 3)
     assert not set(other_step.noise_seeds) & set(whole.noise_seeds)
 
 
@@ -259,7 +264,7 @@ def test_concat_and_to_keep_group_order_and_every_header_field():
     parts = [_numbered_fragment(3, 1), _numbered_fragment(4, 2), _numbered_fragment(6, 1)]
     for part in parts:
         part.step, part.policy_version, part.producer = 9, 7, tag.TAG_PRODUCER
-    whole = gap.concat_fragments(parts)
+    whole = concat_fragments(parts)
     # (step, first_group, policy_version, producer, group_size, offset): a swapped field would mislabel the version
     header = (whole.step, whole.first_group, whole.policy_version, whole.producer, whole.group_size, whole.offset)
     assert header == (9, 3, 7, -2, 2, 0)
@@ -330,7 +335,7 @@ def test_lockstep_trains_each_announced_fragment_once_and_counts_trajectories():
 def _numbered_rows(first_group, lo, hi, group_size=3):
     """Trajectories [lo, hi) of the groups from first_group as a part: row = global index."""
     whole = _numbered_fragment(first_group, -(-hi // group_size), group_size)
-    part = gap.Fragment.from_parts(whole.ints(), {k: v[lo:hi] for k, v in whole.tensors().items()})
+    part = Fragment.from_parts(whole.ints(), {k: v[lo:hi] for k, v in whole.tensors().items()})
     part.group_size, part.advantages = group_size, part.advantages * float("nan")  # not computed
     return part
 
@@ -361,7 +366,7 @@ def test_assisted_generation_generates_each_claimed_trajectory_once_at_its_globa
             assert any(lo % 3 for lo, hi in generated)  # some group is split over trainers
 
         def join(shares):
-            whole = gap.concat_fragments(shares)
+            whole = concat_fragments(shares)
             assert whole.num_samples == 3 * num_groups  # advantages only for whole groups
             mean = whole.rewards.reshape(-1, 3).mean(1).repeat_interleave(3)
             whole.advantages = whole.rewards - mean

@@ -16,9 +16,9 @@ import time
 import pytest
 import torch
 
-import gap
 import main
 import rewards
+from fragment import fragment_spec
 from infra import rundir as runio
 from conftest import ROOT, checkpoint_weights, rank_pids, read_metrics, run_forked, run_main
 
@@ -166,7 +166,7 @@ def poisoning_seed() -> int:
     """The first seed whose prompt order puts the poison prompt in step POISONED_STEP and no other."""
     poison = PROMPTS.index("poison")
     for seed in range(10_000):
-        hit = [poison in gap.fragment_spec(seed, step, 0, PROMPTS_PER_STEP, len(PROMPTS), PROMPTS_PER_STEP, 3).prompt_ids
+        hit = [poison in fragment_spec(seed, step, 0, PROMPTS_PER_STEP, len(PROMPTS), PROMPTS_PER_STEP, 3).prompt_ids
                for step in range(STEPS)]
         if hit == [step == POISONED_STEP for step in range(STEPS)]:
             return seed

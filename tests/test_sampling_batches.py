@@ -18,9 +18,9 @@ import torch
 
 import cli
 import config
-import gap
 import models
 import rewards
+from fragment import fragment_spec
 from infra.evaluation import Evaluator
 from rollout import EVAL_SEED, SamplingConfig, batch_sizes, generate_fragment
 
@@ -45,7 +45,7 @@ def test_a_fragment_in_batches_is_the_fragment_in_one_batch(policy, monkeypatch,
     """Catches trajectories that depend on their batch (noise drawn per batch, not per trajectory), rows joined
     out of order, a padding batch kept, and a decode of the whole fragment at once."""
     prompts = rewards.color_prompts("train")
-    spec = gap.fragment_spec(0, 3, 0, 2, len(prompts), 2, 4)  # 2 groups of 4
+    spec = fragment_spec(0, 3, 0, 2, len(prompts), 2, 4)  # 2 groups of 4
     sampling = SamplingConfig(num_steps=3, noise_level=0.7)
     whole = generate_fragment(policy, spec, prompts, sampling, rewards.build_reward("color"), 0, 0)
     decoded = []
@@ -100,15 +100,15 @@ def test_evaluation_over_two_ranks_in_batches_equals_one_rank(policy, monkeypatc
 def test_held_out_noises_never_coincide_with_training_noises():
     """Catches evaluation noises a training trajectory also drew: for the largest seed and step the validation
     allows (cli.SEED_LIMIT, STEPS_LIMIT) and a batch of 2^30 trajectories, every training noise seed
-    (gap.fragment_spec's, initial and per-step, DanceGRPO's shared ones too) stays below rollout.EVAL_SEED, from
+    (fragment.fragment_spec's, initial and per-step, DanceGRPO's shared ones too) stays below rollout.EVAL_SEED, from
     which evaluation counts its seeds; and a seed the validation would refuse could reach it."""
     seed, step, trajectories = cli.SEED_LIMIT - 1, cli.STEPS_LIMIT - 1, 2**30
-    base = (seed * 1_000_003 + step) * 1_000_033  # gap.fragment_spec's, written out
+    base = (seed * 1_000_003 + step) * 1_000_033  # fragment.fragment_spec's, written out
     assert base + 2 * trajectories + 1 < EVAL_SEED
-    spec = gap.fragment_spec(seed, step, 2, 2, 10, 4, 4, shared_group_noise=True)  # groups 2-3 of 4
+    spec = fragment_spec(seed, step, 2, 2, 10, 4, 4, shared_group_noise=True)  # groups 2-3 of 4
     assert spec.noise_seeds[0] == base + 2 * 8 + 1 and spec.init_seeds[0] == base + 2 * 8  # the formula above
     assert max(spec.init_seeds + spec.noise_seeds) < EVAL_SEED and min(spec.init_seeds + spec.noise_seeds) >= 0
-    too_big = gap.fragment_spec(2**23, step, 0, 1, 10, 1, 4)
+    too_big = fragment_spec(2**23, step, 0, 1, 10, 1, 4)
     assert max(too_big.init_seeds + too_big.noise_seeds) >= EVAL_SEED  # why --seed is bounded
     with pytest.raises(ValueError, match=r"--seed must be an integer in \[0, 4194303\] .* got 8388608"):
         cli.validate(config.resolve(config.Config(seed=2**23), world=2), 2)

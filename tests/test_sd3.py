@@ -12,11 +12,11 @@ import torch
 
 import cli
 import config
-import gap
 import grpo
 import models
 from flowgrpo import presets
 import rewards
+from fragment import fragment_spec
 from models import lora
 from rollout import SamplingConfig, generate_fragment
 
@@ -131,8 +131,8 @@ def test_sde_step_on_sd3_matches_flow_grpos_sd3_sde_with_logprob(sd3_path):
         x = ours[0]
 
     prompts = rewards.color_prompts("train")
-    spec = gap.fragment_spec(seed=0, step=0, first_group=0, num_groups=1, num_prompts_total=len(prompts),
-                             groups_per_step=1, group_size=2)
+    spec = fragment_spec(seed=0, step=0, first_group=0, num_groups=1, num_prompts_total=len(prompts),
+                         groups_per_step=1, group_size=2)
     cfg = SamplingConfig(num_steps=steps, noise_level=level)
     fragment = generate_fragment(policy, spec, prompts, cfg, rewards.build_reward("color"), version=0, producer=0)
     m, t_train = fragment.latents.shape[:2]
@@ -216,8 +216,8 @@ def test_no_train_cfg_scores_the_conditional_branch_alone(sd3_path):
     from tsp import gather_pairs
     from trainer import Trainer, TrainConfig
     prompts = rewards.color_prompts("train")
-    spec = gap.fragment_spec(seed=0, step=0, first_group=0, num_groups=1, num_prompts_total=len(prompts),
-                             groups_per_step=1, group_size=2)
+    spec = fragment_spec(seed=0, step=0, first_group=0, num_groups=1, num_prompts_total=len(prompts),
+                         groups_per_step=1, group_size=2)
     fragment = generate_fragment(policy, spec, prompts, SamplingConfig(num_steps=4, noise_level=0.7),
                                  rewards.build_reward("color"), version=0, producer=0)
     batch = gather_pairs(fragment, [(0, 1), (1, 2)])

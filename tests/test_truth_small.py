@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 
-import gap
+from fragment import Fragment, fragment_spec
 from infra import rundir
 from infra.rundir import atomic_write, list_checkpoints
 from rollout import SamplingConfig, evaluate, generate_fragment
@@ -94,10 +94,10 @@ def test_fragment_counts_by_hand():
     stale = [1.0, 0.0, 0.2, 0.2001]  # generated with version 3 by the trainer group (TAG); no zero-std group
     for rewards, version, producer in ((fresh, 4, 0), (stale, 3, -2)):
         r, z = torch.tensor(rewards), torch.zeros
-        fragment = gap.Fragment(step=4, first_group=0, policy_version=version, producer=producer, group_size=2,
-                                prompt_ids=z(4, dtype=torch.long), cond={}, latents=z(4, 1, 2), next_latents=z(4, 1, 2),
-                                timestep_index=z(4, 1, dtype=torch.long), sigmas=z(4, 1), sigmas_next=z(4, 1),
-                                log_probs=z(4, 1), rewards=r, reward_parts=(2 * r)[:, None], advantages=z(4))
+        fragment = Fragment(step=4, first_group=0, policy_version=version, producer=producer, group_size=2,
+                            prompt_ids=z(4, dtype=torch.long), cond={}, latents=z(4, 1, 2), next_latents=z(4, 1, 2),
+                            timestep_index=z(4, 1, dtype=torch.long), sigmas=z(4, 1), sigmas_next=z(4, 1),
+                            log_probs=z(4, 1), rewards=r, reward_parts=(2 * r)[:, None], advantages=z(4))
         trainer.count_fragment(fragment, ["double"])
     out = summarize(trainer.metrics, ["double"])
     flat = fresh + stale
@@ -182,7 +182,7 @@ def _train(flip_advantages: bool, steps=6, seed=0):
     prompts = [f"prompt {i}" for i in range(8)]
     before = float(evaluate(policy, prompts, sampling, mean_reward)[0]["total"].mean())
     for step in range(steps):
-        spec = gap.fragment_spec(seed, step, 0, 8, len(prompts), 8, 8)  # 8 groups of 8, one fragment
+        spec = fragment_spec(seed, step, 0, 8, len(prompts), 8, 8)  # 8 groups of 8, one fragment
         fragment = generate_fragment(policy, spec, prompts, sampling, mean_reward, trainer.version, 0)
         if flip_advantages:
             fragment.advantages = -fragment.advantages

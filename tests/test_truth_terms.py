@@ -26,10 +26,10 @@ import math
 import pytest
 import torch
 
-import gap
 import models
 import tsp
 from conftest import tiny_fragment
+from fragment import fragment_spec
 from rollout import SamplingConfig, generate_fragment
 from test_reference_steps import dance_flux_step
 from test_truth import NOISE_LEVEL, _stale_fragment, _step_gradient, plain_flow_grpo_loss
@@ -129,8 +129,8 @@ def dance(setup):
     """A DanceGRPO fragment of 2 groups of 3: T = 5, T_train = int(4 * 0.5) = 2 random steps per sample."""
     policy, _, reward, prompts, *_ = setup
     sampling = SamplingConfig(num_steps=5, noise_level=ETA, timestep_fraction=0.5, algo="dance_grpo")
-    spec = gap.fragment_spec(seed=0, step=0, first_group=0, num_groups=2, num_prompts_total=3, groups_per_step=2,
-                             group_size=3, shared_group_noise=True)
+    spec = fragment_spec(seed=0, step=0, first_group=0, num_groups=2, num_prompts_total=3, groups_per_step=2,
+                         group_size=3, shared_group_noise=True)
     fragment = generate_fragment(policy, spec, prompts, sampling, reward, version=0, producer=0)
     assert len({tuple(s) for s in fragment.timestep_index.tolist()}) > 1  # samples train different steps
     return policy, fragment

@@ -7,6 +7,7 @@ import torch
 import gap
 import tag
 import tsp
+from fragment import FragmentSpec, concat_fragments, fragment_spec
 from rollout import (SamplingConfig, generate_fragment, generate_trajectories, num_train_timesteps,
                      part_spec, with_advantages)
 from conftest import tiny_fragment
@@ -77,7 +78,7 @@ def test_same_fragment_same_trajectories_whoever_generates_it(setup):
     for k, v in fragment.tensors().items():
         assert torch.equal(v, again.tensors()[k]), k
     # a sub-fragment of one group (TAG with K > 1 splits a fragment by groups) gives the same rows
-    half = gap.FragmentSpec(spec.step, spec.first_group, spec.prompt_ids[:3], spec.init_seeds[:3], spec.noise_seeds[:3], 3)
+    half = FragmentSpec(spec.step, spec.first_group, spec.prompt_ids[:3], spec.init_seeds[:3], spec.noise_seeds[:3], 3)
     part = generate_fragment(policy, half, prompts, sampling, reward, version=0, producer=5)
     torch.testing.assert_close(part.latents, fragment.latents[:3], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(part.log_probs, fragment.log_probs[:3], rtol=1e-5, atol=1e-6)
@@ -101,7 +102,7 @@ def test_a_group_split_over_trainers_by_trajectories_is_the_group_generated_in_o
         assert torch.isnan(parts[me].advantages).all()  # a part of a group has no advantages
 
     def join(shares):
-        return with_advantages(gap.concat_fragments(shares), sampling)
+        return with_advantages(concat_fragments(shares), sampling)
 
     lo = spec.first_group * g
     whole = tag.assisted_generation(lo, lo + spec.num_groups * g, k, 0, lambda *a: parts[0],
@@ -127,7 +128,7 @@ def test_a_group_split_over_trainers_by_trajectories_is_the_group_generated_in_o
 def test_dance_grpo_parts_of_a_group_share_its_initial_noise():
     """DanceGRPO starts every member of a group from one noise: a part generated on another trainer
     keeps it (catches a part's seeds recomputed from its own first trajectory)."""
-    spec = gap.fragment_spec(0, 1, 2, 2, 5, 4, 4, shared_group_noise=True)  # groups 2, 3 of 4
+    spec = fragment_spec(0, 1, 2, 2, 5, 4, 4, shared_group_noise=True)  # groups 2, 3 of 4
     part = part_spec(spec, 2, 6)  # the second half of group 2 and the first half of group 3
     assert part.init_seeds == [spec.init_seeds[0]] * 2 + [spec.init_seeds[4]] * 2
     assert part.noise_seeds == spec.noise_seeds[2:6] and len(set(part.noise_seeds)) == 4
@@ -150,7 +151,7 @@ def test_tag_generation_leaves_params_grads_and_optimizer_state_bit_identical(se
     state = lambda: (_checksum(trainer.params), _checksum(p.grad for p in trainer.params),  # noqa: E731
                      _checksum(v for s in trainer.optimizer.state.values() for v in s.values()))
     before = state()
-    other = gap.fragment_spec(0, 0, 2, 2, 3, 4, 3)
+    other = fragment_spec(0, 0, 2, 2, 3, 4, 3)
     generate_fragment(policy, other, prompts, sampling, reward, version=trainer.version, producer=-2)
     assert state() == before
     trainer.optimizer.zero_grad(set_to_none=True)

@@ -83,10 +83,10 @@ def inprocess_costs(args, w: dict) -> dict:
     import torch
 
     import config as config_lib
-    import gap
     import models
     import rewards
     import rollout
+    from fragment import fragment_spec
     torch.set_num_threads(1)
     cfg = config_lib.Config(model=args.model)
     policy = models.load(args.model, models.tiny_pipeline_path(args.model), args.device, torch.float32)
@@ -106,7 +106,7 @@ def inprocess_costs(args, w: dict) -> dict:
 
     gen_s = {}
     for groups in sorted({1, args.fragment_groups}):
-        spec = gap.fragment_spec(args.seed, 1, 0, groups, len(prompts), args.prompts_per_step, args.group_size)
+        spec = fragment_spec(args.seed, 1, 0, groups, len(prompts), args.prompts_per_step, args.group_size)
         gen_s[groups * args.group_size] = timed(
             lambda: rollout.generate_fragment(policy, spec, prompts, sampling, reward_fn, 0, 0), 5)
     return {"decode_reward_s": timed(lambda: reward_fn(policy.decode(latents), prompts)), "generate_s": gen_s}

@@ -21,10 +21,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import gap  # noqa: E402
 import models  # noqa: E402
 import rewards  # noqa: E402
 import tsp  # noqa: E402
+from fragment import fragment_spec  # noqa: E402
 from rollout import SamplingConfig, generate_fragment  # noqa: E402
 from trainer import TrainConfig, Trainer  # noqa: E402
 
@@ -37,7 +37,7 @@ def measure(fp32_master: bool, args) -> dict:
     path = models.tiny_pipeline_path("flux")
     rollout = models.load("flux", path, args.device, torch.bfloat16, height=args.resolution or None)
     models.enable_full_training(rollout)
-    spec = gap.fragment_spec(0, 0, 0, args.groups, 3, args.groups, args.group_size)
+    spec = fragment_spec(0, 0, 0, args.groups, 3, args.groups, args.group_size)
     fragment = generate_fragment(rollout, spec, rewards.color_prompts("train"), SamplingConfig(num_steps=args.num_steps),
                                  rewards.build_reward("color"), version=0, producer=0).to(args.device)
     del rollout

@@ -44,8 +44,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import gap  # noqa: E402
 import models  # noqa: E402
+from fragment import Fragment  # noqa: E402
 from infra.fsdp import shard_for_fsdp  # noqa: E402
 from trainer import TrainConfig, Trainer  # noqa: E402
 from tools.real_models import FAMILIES  # noqa: E402
@@ -284,12 +284,12 @@ def trainer_peak(model: str, config: dict, args, compute_group) -> dict:
     cond = {k: v.to(args.device) for k, v in _cond(policy, p).items()}
     def randn(*size):
         return torch.randn(*size, device=args.device)
-    fragment = gap.Fragment(step=0, first_group=0, policy_version=0, producer=0, group_size=p,
-                            prompt_ids=torch.arange(p), cond=cond, latents=randn(p, 1, *shape),
-                            next_latents=randn(p, 1, *shape), timestep_index=torch.zeros(p, 1, dtype=torch.long),
-                            sigmas=torch.full((p, 1), 0.5), sigmas_next=torch.full((p, 1), 0.4),
-                            log_probs=torch.zeros(p, 1), rewards=torch.zeros(p), reward_parts=torch.zeros(p, 1),
-                            advantages=randn(p))
+    fragment = Fragment(step=0, first_group=0, policy_version=0, producer=0, group_size=p,
+                        prompt_ids=torch.arange(p), cond=cond, latents=randn(p, 1, *shape),
+                        next_latents=randn(p, 1, *shape), timestep_index=torch.zeros(p, 1, dtype=torch.long),
+                        sigmas=torch.full((p, 1), 0.5), sigmas_next=torch.full((p, 1), 0.4),
+                        log_probs=torch.zeros(p, 1), rewards=torch.zeros(p), reward_parts=torch.zeros(p, 1),
+                        advantages=randn(p))
     batch = gather_pairs(fragment, [(i, 0) for i in range(p)])
     weights = torch.full((p,), 1.0 / p, device=args.device)
     tracker = _tracker(policy.transformer, trainer.optimizer) if args.fsdp else _tracker()

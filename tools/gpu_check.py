@@ -59,10 +59,10 @@ def gpu_check(size: str, device_name: str, out_dir: str) -> int:
     # lazy: GPU machines may carry diffusers as a wheel
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
 
-    import gap
     import models
     import rollout
     import tsp
+    from fragment import Fragment
     from trainer import TrainConfig, Trainer
     spec, device, batch, t_steps = gpu_sizes()[size], torch.device(device_name), 4, 8
     cuda = device.type == "cuda"
@@ -120,10 +120,10 @@ def gpu_check(size: str, device_name: str, out_dir: str) -> int:
     out["bare_lora_fp32_fwd_bwd_s"] = _timed(bare_train, 5, sync)
     trainer = Trainer(policy, TrainConfig())
     _, (x_t, x_next, logp, t_idx, sigmas) = ours()
-    fragment = gap.Fragment(step=0, first_group=0, policy_version=0, producer=0, group_size=batch,
-                            prompt_ids=torch.zeros(batch, dtype=torch.long), cond=cond, latents=x_t, next_latents=x_next,
-                            timestep_index=t_idx, sigmas=sigmas[t_idx], sigmas_next=sigmas[t_idx + 1], log_probs=logp,
-                            rewards=torch.randn(batch), reward_parts=torch.randn(batch, 1), advantages=torch.randn(batch))
+    fragment = Fragment(step=0, first_group=0, policy_version=0, producer=0, group_size=batch,
+                        prompt_ids=torch.zeros(batch, dtype=torch.long), cond=cond, latents=x_t, next_latents=x_next,
+                        timestep_index=t_idx, sigmas=sigmas[t_idx], sigmas_next=sigmas[t_idx + 1], log_probs=logp,
+                        rewards=torch.randn(batch), reward_parts=torch.randn(batch, 1), advantages=torch.randn(batch))
     fragment = fragment.to(device)
     packs, masks = tsp.tsp_packs(batch, t_train, 0, 1, batch)  # packed pairs, per-sample timesteps, one pass = 4 pairs
     out["ours_train_pack_s"] = _timed(lambda: trainer.accumulate(fragment, packs[:1], masks[:1], batch * t_train), 5, sync)

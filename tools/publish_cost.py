@@ -4,7 +4,7 @@
     python tools/publish_cost.py --sizes-mb 210 --receivers 3
     python tools/publish_cost.py --sizes-mb 4096 24576 --tensor-mb 64 --wire-only   # full FLUX.1-dev weights
 
-Runs transport.publish_weights on a leader and async_policy.Mailbox (transport.WeightReceiver) on `--receivers`
+Runs transport.publish_weights on a leader and transport.Mailbox (transport.WeightReceiver) on `--receivers`
 other processes (the real code path: (version, count), then flat buckets of at most PUBLISH_BUCKET_BYTES
 over a gloo group, received by the mailbox thread, then swapped into the model's tensors), for weights of each size cut
 into tensors of `--tensor-mb`, and prints seconds and GB/s per size. The leader yields one reused
@@ -83,7 +83,7 @@ def _worker(rank, world, master, sizes_mb, tensor_mb, reps, wire_only, results):
             model, mailbox = None, None
         else:
             model = [torch.zeros(numel, dtype=torch.bfloat16) for _ in range(n)]
-            mailbox = async_policy.Mailbox(transport.WeightReceiver(0, group, shapes))
+            mailbox = transport.Mailbox(transport.WeightReceiver(0, group, shapes))
         times = []
         for version in range(reps):
             dist.barrier(group=control)
