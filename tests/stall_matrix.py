@@ -163,7 +163,9 @@ def blocking_points(rows: list[dict]) -> tuple[dict[str, str], list[str]]:
 
 
 # --- the matrix --------------------------------------------------------------------------------------------------
-TIMEOUT_S = 3.0  # --timeout-s of the matrix's jobs
+TIMEOUT_S = 5.0  # --timeout-s of the matrix's jobs. 3 s was too little on 2 loaded cores (the whole suite: 9 ranks of
+# the matrix's three jobs beside the other worker's tests): a heartbeat 3 s late ("no sign of life") ended a row's
+# job before its point, and a slowed rank 3 s without a report ended the slow run (2026-12-04, two suite runs)
 SMALL = ["--group-size", "2", "--num-steps", "3", "--prompts-per-step", "4", "--seed", "0", "--no-trace",
          "--eval-every", "0", "--eval-seeds", "1", "--eval-prompts", "2", "--save-every", "0",
          "--timeout-s", f"{TIMEOUT_S:g}"]

@@ -30,7 +30,8 @@ BOUND_S = 30.0  # after --timeout-s (and --excused-timeout-s): the watchdog's in
 EXCUSED_S = 2 * T  # --excused-timeout-s of a job stalled in an excused phase (healthy phases: the default, 4 T)
 
 
-JOBS_AT_ONCE = 3  # the stall rows run side by side: most of a job's time is waiting for a stall's report
+JOBS_AT_ONCE = 3  # the matrix's jobs run side by side: most of a job's time is waiting (for a stall's report, the
+# slowed units), and the slow run takes as long as a third of the stall rows
 STALL_TEST = "test_a_rank_stalled_at_a_blocking_point_ends_the_job_naming_it"
 SLOW_TESTS = ("test_every_blocking_point_slowed", "test_every_blocking_point_has_a_row")
 
@@ -86,23 +87,20 @@ def _slow(folder, cache, checkpoint):
 
 @pytest.fixture(scope="module")
 def matrix(tiny_cache, tmp_path_factory, request):
-    """The jobs of this module's selected tests: the checkpoint, the slow run alone, then the stalled rows
-    JOBS_AT_ONCE at a time.
+    """The jobs of this module's selected tests, JOBS_AT_ONCE at a time: the slow run first, then each stalled row.
     {"slow": (job, stats, record) or None, "stalls": {phase: (job, stalled at, report)}}."""
     names = {item.name for item in request.session.items}
     rows = [p for p in sm.ROWS if f"{STALL_TEST}[{p}]" in names]
     slow = any(name.startswith(SLOW_TESTS) for name in names)
     folder = tmp_path_factory.mktemp("matrix")
     sm.start_forkserver()
-    checkpoint = _checkpointed(folder, tiny_cache)  # first: the slow run and the "resume" row resume it
-    # The slow run alone: its ranks must report progress every --timeout-s (3 s) while slowed, which 9 ranks of
-    # three jobs at once on 2 cores, beside the other worker's tests, did not always leave them (it failed so).
-    slow_job = _slow(folder / "slow", tiny_cache, checkpoint) if slow else None
     with concurrent.futures.ThreadPoolExecutor(JOBS_AT_ONCE) as pool:
+        checkpoint = pool.submit(_checkpointed, folder, tiny_cache)  # first: the slow run and "resume" wait for it
+        slow_job = pool.submit(lambda: _slow(folder / "slow", tiny_cache, checkpoint.result())) if slow else None
         stalls = {p: pool.submit(lambda p=p, i=i: _stall(p, folder / f"row{i}", tiny_cache,
-                                                        checkpoint if sm.ROWS[p].resume else None))
+                                                        checkpoint.result() if sm.ROWS[p].resume else None))
                   for i, p in enumerate(rows)}
-        return {"slow": slow_job, "stalls": {p: f.result() for p, f in stalls.items()}}
+        return {"slow": slow_job.result() if slow_job else None, "stalls": {p: f.result() for p, f in stalls.items()}}
 
 
 @pytest.mark.parametrize("phase", list(sm.ROWS))
