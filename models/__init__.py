@@ -77,12 +77,10 @@ def build_inputs_key(name: str) -> str:
     models/tiny_text.py, the family's file) and the releases of the libraries whose classes and random streams
     build it. The same key builds the same files (tests/test_pretrain.py: seeded, file for file)."""
     import hashlib
-
-    import diffusers
-    import transformers
+    from importlib.metadata import version  # the installed releases, without importing the libraries
 
     release = torch.__version__.split("+")[0]  # a CUDA build's CPU kernels are the CPU build's
-    digest = hashlib.sha256(f"{release} {diffusers.__version__} {transformers.__version__}".encode())
+    digest = hashlib.sha256(f"{release} {version('diffusers')} {version('transformers')}".encode())
     here = os.path.dirname(os.path.abspath(__file__))
     for source in (*BUILD_SOURCES, f"{name}.py"):
         with open(os.path.join(here, source), "rb") as f:
