@@ -1,35 +1,36 @@
-"""TAG, trainer-assisted generation: an idle trainer group generates groups itself, when that ends
-the step sooner.
+"""TAG, trainer-assisted generation: an idle trainer group generates groups itself, when that
+ends the step sooner.
 
 Paper: DigenRL, "elastic trainer-assisted generation" (docs/DESIGN.md section 5). At the head of a
 step the trainers have nothing to train until the first fragment arrives, and at its tail they wait
-for the last one. When the trainer group has nothing to train, its leader may claim some unclaimed
-groups of the *current* batch from the fragment queue (gap.py) and the group generates them with its
-own current weights: exactly the current policy, so no weight sync and the groups are on-policy.
-Reward, advantages and training then follow the normal path. The leader also decides once right
-before it publishes new weights, for the next batch: that is the moment the rollout ranks are about
-to claim everything, so a share taken then is what lets TAG act next to TCSS.
+for the last one. Then the trainer leader may claim unclaimed groups of the *current* batch from
+the fragment queue (gap.py) and the trainer group generates them with its own current weights: no
+weight sync, and the groups are on-policy. Reward, advantages and training follow the normal path.
+The leader also decides right before it publishes, for the next batch: the moment the rollout ranks
+are about to claim everything, so a share taken then is what lets TAG act next to TCSS.
 
-Invariant: TAG changes who generates, never what: a trajectory depends only on (seed, step, its
-index in the batch), so the update with TAG on equals the update with it off (allclose in float32).
-Generation runs under no_grad and never calls the optimizer or touches accumulated gradients.
+Invariant: a trajectory depends only on (seed, step, its index in the batch) and the weights it is
+sampled with; a claim generated before the step's first update uses the batch's version, so TAG then
+changes who generates, never what (the update with TAG on equals it off, allclose in float32).
+Generation runs under no_grad and never touches the optimizer or the accumulated gradients.
 
-The decision (`assist_groups`) is a makespan prediction from running estimates (generation time of a
-fragment on a rollout rank and of a group on one trainer, training time of a group) and the groups
+The decision (`assist_groups`) is a makespan prediction from running estimates (a fragment's
+generation on a rollout rank, a group's on one trainer, a group's training) and the groups
 unclaimed, in flight and waiting: it simulates the rest of the step for every share the trainers
-could claim (multiples of `quantum`, 1 in the runtime) and takes the one that ends the step soonest,
-0 unless that beats not assisting: it declines when training is the bottleneck, and balances the two
-when generation is. tools/simulate.py runs the same predictor and cost of a split (`share_groups`).
+could claim (multiples of `quantum`) and takes the one that ends soonest, 0 unless that beats not
+assisting: it declines when training is the bottleneck. tools/simulate.py runs the same predictor
+(`share_groups`). A claim is whole groups; its trajectories, not its groups, are split over the K
+trainers (a group of 8 is generated 2 per trainer by 4), each from its own seeds; advantages wait
+for the join.
 
-By trajectories: a claim is whole groups, but its trajectories, not its groups, are split over the
-K trainers (a group of 8 is generated 2 per trainer by 4), each from its own seeds; the group
-advantages wait until the shares are joined (`with_advantages`, below).
+Departures from the paper: claims are whole groups pulled from the queue, not scheduled centrally;
+in-flight fragments are assumed half done (ranks do not report progress). With M > 1 updates per
+batch (Flow-GRPO's minibatches), a claim generated after the step's j-th update samples with those
+newer weights (its ratio starts at 1, where the rollout's groups of that minibatch are j updates
+behind): fresher data, not the trajectories TAG off would give. Claims of part of a group were tried
+and removed: 0.1% simulated at best (docs/RESULTS.md section 3b).
 
-Departures from the paper: claims are whole groups pulled from the queue rather than scheduled
-centrally; in-flight fragments are assumed half done (ranks do not report progress). (Claims of
-part of a group were tried and removed: 0.1% simulated at best, docs/RESULTS.md section 3b.)
-
-Try it: `python3 tag.py` (alone, a scripted step: why the leader claims what it claims); in a run,
+Try it: `python3 tag.py` (a scripted step: why the leader claims what it claims); in a run,
 `python main.py --placement disaggregated --gap --tsp --tag` (logs `tag_fragments` per step).
 Only the standard library and torch are imported: this file can be copied into another codebase.
 """
@@ -48,29 +49,22 @@ TAG_PRODUCER = -2  # Fragment.producer of a trainer-assisted fragment
 # --- the makespan predictor ---------------------------------------------------------------------
 @dataclasses.dataclass
 class StepState:
-    """What the trainer leader knows about the rest of the current step, in groups and seconds.
-
-    Counts are GROUPS (a fragment is a contiguous range of them). With the defaults
-    fragment_groups = trainers = quantum = 1, a group and a fragment are the same unit.
-    """
+    """What the trainer leader knows about the rest of the current step, in GROUPS and seconds (a
+    fragment is a contiguous range of fragment_groups groups)."""
 
     unclaimed: int  # groups nobody has claimed yet
     in_flight: int  # groups claimed by rollout ranks, not yet announced
     waiting: int  # groups announced (or generated by TAG), not yet trained
     rollout_ranks: int
-    gen_rollout_s: float  # one fragment (fragment_groups groups) on one rollout rank
-    gen_trainer_s: float  # one trainer generates one group (the trainers work in parallel)
+    gen_rollout_s: float  # one fragment on one rollout rank
+    gen_trainer_s: float  # one group on one trainer (the trainers work in parallel)
     train_s: float  # one group trained on the trainer group (TSP over all K trainers)
-    # groups a rollout rank claims at a time (the last claim may get fewer)
-    fragment_groups: int = 1
-    # K: n TAG groups split over K trainers by groups take ceil(n / K) group times
-    trainers: int = 1
-    group_size: int = 0  # > 0: the split is by trajectories instead: ceil(n G / K) / G group times
+    fragment_groups: int = 1  # groups a rollout rank claims at a time (the last may get fewer)
+    trainers: int = 1  # K: n TAG groups split by groups take ceil(n / K) group times
+    group_size: int = 0  # > 0: split by trajectories instead, ceil(n G / K) / G group times
     quantum: int = 1  # TAG claims multiples of this many groups (K under FSDP: equal forwards)
-    # idle rollout ranks claim from then on (step boundary: weights in)
-    rollout_start_s: float = 0.0
-    # the trainer group is busy until then (step boundary: its own publish)
-    trainer_start_s: float = 0.0
+    rollout_start_s: float = 0.0  # idle rollout ranks claim from then on (a publish: weights in)
+    trainer_start_s: float = 0.0  # the trainer group is busy until then (its own publish)
 
 
 def predict_step_end(state: StepState, assist: int) -> float:
@@ -161,14 +155,10 @@ def split_groups(num_items: int, world: int, rank: int) -> tuple[int, int]:
 # --- the protocol ---------------------------------------------------------------------------------
 class Assistant:
     """TAG's state on the trainer leader: estimates, claims not yet generated, and the decision.
-
-    The queue is reached through callables (claim, counts) so the file stays self-contained, all in
-    TRAJECTORIES: claim(step, n) -> (first_group, num_groups) | None (n a multiple of G: whole
-    groups); claimed(step), announced(step) -> int; rollout_gen_s() -> seconds per fragment of
-    fragment_groups groups on a rollout rank, or None (the ranks report theirs through the store:
-    transport.RolloutTimes). The predictor decides in groups (the trainers split a claim by
-    trajectories: share_groups). group_size 0: whole groups split by whole groups (simulate.py's
-    tag_split="groups")."""
+    The queue is reached through callables, in TRAJECTORIES, so the file stays self-contained:
+    claim(step, n) -> (first_group, num_groups) | None (n a multiple of G); claimed(step),
+    announced(step) -> int; rollout_gen_s() -> seconds per fragment on a rollout rank, or None
+    (transport.RolloutTimes). group_size 0: split by whole groups (simulate.py's "groups")."""
 
     def __init__(self, groups_per_step: int, fragment_groups: int, rollout_ranks: int,
                  trainers: int, quantum: int, claim: Callable, claimed: Callable,
@@ -267,17 +257,14 @@ class Assistant:
 
 def assisted_generation(lo: int, hi: int, trainers: int, me: int, generate: Callable,
                         share: Callable, join: Callable, *, lockstep: bool, batch_size: int = 0):
-    """Every trainer generates its contiguous share of the claim's trajectories [lo, hi) of the
-    step (a group may be split over several), then the shares are exchanged and joined: the whole
-    claim on each. generate(a, b): trajectories [a, b) of the step, each from the seeds it has in
-    one piece, scored, no advantages; share(part | None, owner): owner's part on every trainer;
-    join(parts): concatenated in order (the group advantages follow once the groups are whole).
-    `lockstep` (FSDP: each forward all-gathers the weights, so every trainer must run the same
-    number of forward calls; batch sizes may differ: each share is the floor or the ceiling): a
-    trainer with an empty share (fewer trajectories than trainers) generates the claim's first
-    trajectory anyway and drops it, a padding pass like TSP's weight-0 pairs. With `batch_size`
-    (trajectories per forward batch) every trainer runs as many batches as the largest share needs:
-    generate(a, b, calls=n) when that is n > 1."""
+    """Every trainer generates its contiguous share of the claim's trajectories [lo, hi) (a group
+    may be split over several), then the shares are exchanged and joined: the whole claim on each.
+    generate(a, b[, calls=n]): trajectories [a, b), scored, no advantages; share(part | None,
+    owner): owner's part on every trainer; join(parts): concatenated in order. `lockstep` (FSDP:
+    every forward all-gathers the weights, so every trainer runs as many forward calls): a
+    trainer with an empty share generates the claim's first trajectory and drops it (padding, as
+    TSP's weight-0 pairs), and with `batch_size` every trainer runs as many batches as the largest
+    share needs."""
     shares = [tuple(lo + x for x in split_groups(hi - lo, trainers, r)) for r in range(trainers)]
     largest = max(y - x for x, y in shares)
     calls = -(-largest // batch_size) if lockstep and batch_size else 1
@@ -302,16 +289,15 @@ def with_advantages(fragments: Iterable, complete: Callable) -> Iterator:
 def _demo() -> None:
     import torch
 
-    groups, size = 8, 8  # groups of 8; the rollout rank has claimed group 0 (trajectories 0..7)
-    counter = {"n": size}
+    groups, size, taken = 8, 8, [8]  # 8 groups of 8; the rollout rank holds group 0 (rows 0-7)
 
     def claim(step: int, n: int) -> tuple | None:  # gap.FragmentQueue.claim_samples, in short
-        lo, hi = counter["n"], min(counter["n"] + n, groups * size)
-        counter["n"] = hi
+        lo, hi = taken[0], min(taken[0] + n, groups * size)
+        taken[0] = hi
         return None if lo >= hi else (lo // size, (hi - lo) // size)  # whole groups
 
     assistant = Assistant(groups_per_step=groups, fragment_groups=1, rollout_ranks=1, trainers=4,
-                          quantum=1, claim=claim, claimed=lambda step: counter["n"],
+                          quantum=1, claim=claim, claimed=lambda step: taken[0],
                           announced=lambda step: 0, rollout_gen_s=lambda: 1.0,  # 1 s per group
                           group_size=size)
     assistant.trained_trajectories(count=size, seconds=0.1)  # 0.1 s per group on the trainers
@@ -323,26 +309,23 @@ def _demo() -> None:
     ends = {n: predict_step_end(state, n) for n in range(state.unclaimed + 1)}
     for n, end in ends.items():
         print(f"  claim {n} groups: the step ends in {end:.2f} s")
-    decide = assistant.strategy(0, poll=lambda seq: False, train_cmd=0, produce_cmd=1)
-    kind, lo, hi = decide(0, 0)
+    kind, lo, hi = assistant.strategy(0, poll=lambda seq: False, train_cmd=0, produce_cmd=1)(0, 0)
     print(f"it claims {(hi - lo) // size} groups (trajectories [{lo}, {hi}), command {kind}: "
           "generate), the claim with the earliest predicted end: the rollout rank alone would need "
           f"{ends[0]:.2f} s; claiming more would leave the trainers generating while the rollout "
           "rank's groups wait to be trained")
-    # The claim is split over the 4 trainers by trajectories, each from the seeds it has in one
-    # piece; a group's advantages wait until the shares are joined (with_advantages).
-    def generate(a: int, b: int) -> list[float]:  # scored trajectories, no advantages
-        return [float(t % 3) for t in range(a, b)]
-
-    def advantages(r: list[float]) -> torch.Tensor:  # grpo.group_advantages, in short
-        x = torch.tensor(r).reshape(-1, size)
-        return (x - x.mean(1, keepdim=True)) / (x.std(1, unbiased=False, keepdim=True) + 1e-4)
-
+    # split over the 4 trainers by trajectories; a group's advantages wait for the join
+    generate = lambda a, b: [float(t % 3) for t in range(a, b)]  # noqa: E731 (scored rows)
     shares = [tuple(lo + x for x in split_groups(hi - lo, 4, me)) for me in range(4)]
     joined = assisted_generation(lo, hi, 4, 0, generate=generate,
                                  share=lambda part, r: generate(*shares[r]),
                                  join=lambda parts: [x for part in parts for x in part],
                                  lockstep=True)
+
+    def advantages(r: list[float]) -> torch.Tensor:  # grpo.group_advantages, in short
+        x = torch.tensor(r).reshape(-1, size)
+        return (x - x.mean(1, keepdim=True)) / (x.std(1, unbiased=False, keepdim=True) + 1e-4)
+
     print(f"the 4 trainers' shares {shares}; joined advantages == the claim generated in one "
           f"piece: {torch.equal(advantages(joined), advantages(generate(lo, hi)))}")
     bound = StepState(unclaimed=6, in_flight=1, waiting=0, rollout_ranks=1, gen_rollout_s=1.0,

@@ -226,6 +226,14 @@ def test_tcss_staleness_is_zero_or_one_and_bounded(tiny_cache, tmp_path):
     assert all(r["stale_fragments"] <= 1 for r in rows)
     assert rows[0]["stale_fragments"] == 0  # nothing can be stale before the first update
     assert [r["stale_fragments"] for r in rows] == [0, 1, 1, 1], "scripted: one stale fragment per step after 0"
+    # Steps 1-3: the stale fragment (group 0) is minibatch 0; after its update TAG generates the claimed groups
+    # 1-2 (minibatch 1) with the updated weights, so their pairs' ratio is exactly 1 (tag.py's departure with
+    # M > 1). Catches a claim generated with other weights than the trainer's current ones (a kept copy of the
+    # batch's version, the rollout's), or its recorded log-probs replaced by others.
+    assert [r["tag_fragments"] for r in rows] == [0, 1, 1, 1], rows
+    for r in rows[1:]:
+        assert r["ratio_min_later"] == pytest.approx(1, abs=1e-5) and r["ratio_max_later"] == pytest.approx(1, abs=1e-5)
+        assert r["ratio_min_stale"] < 0.999, r  # the stale pairs are one version behind
 
 
 @pytest.mark.parametrize("slow,acts", [("0=0.2", True), ("1=0.2", False)])
