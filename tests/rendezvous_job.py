@@ -1,11 +1,12 @@
-"""A minimal self-spawned job for tests/test_ports.py: infra/launch.py's launcher starts 2 ranks that only meet
+"""Minimal self-spawned jobs for tests/test_ports.py: infra/launch.py's launcher starts 2 ranks that only meet
 (the job's store, a gloo process group, one all-reduce) and write down what they saw.
 
-    python tests/rendezvous_job.py OUT_DIR JOB_ID GO_FILE    # waits for GO_FILE, then launches
+    python tests/rendezvous_job.py OUT_DIR JOBS    # JOBS launchers at the same moment, then their exit codes
 
-The launcher imports torch and forks its ranks (launch's start_method="fork"), so twenty jobs cost twenty torch
-imports instead of sixty; main.py's launcher spawns (CUDA needs fresh processes) and every multi-rank test of
-main.py runs that path, the listening socket handed to rank 0 through pickling.
+One interpreter imports torch, then forks JOBS processes, each a launcher of its own job (its own listening socket,
+its own store) that forks its ranks (launch's start_method="fork"): JOBS jobs cost one torch import instead of JOBS
+(or 3 JOBS). main.py's launcher spawns or uses a forkserver, and every multi-rank test of main.py runs that path,
+the listening socket handed to rank 0 through pickling.
 """
 import datetime
 import json
@@ -35,9 +36,25 @@ def meet(payload, rank, world, local_rank, master, agent_store, report_silent):
     dist.destroy_process_group()
 
 
+def launcher(out: str, job: str, go: float) -> int:
+    while time.monotonic() < go:  # every launcher binds its port and starts its ranks at the same moment
+        time.sleep(0.001)
+    return launch(meet, {"job": job, "out": out}, 2, role_of=lambda r: "rank", start_method="fork")
+
+
 if __name__ == "__main__":
-    out, job, go = sys.argv[1:4]
-    open(os.path.join(out, f"{job}.ready"), "w").close()
-    while not os.path.exists(go):  # every job launches at the same moment
-        time.sleep(0.002)
-    sys.exit(launch(meet, {"job": job, "out": out}, 2, role_of=lambda r: "rank", start_method="fork"))
+    out, jobs = sys.argv[1], int(sys.argv[2])
+    go = time.monotonic() + 0.5  # after the forks below (CLOCK_MONOTONIC is one clock for the whole machine)
+    children = []
+    for j in range(jobs):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                code = launcher(out, f"job{j}", go)
+            finally:
+                os._exit(code)
+        children.append(pid)
+    codes = [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in children]
+    print(json.dumps({"codes": codes}))
+    sys.exit(0 if not any(codes) else 1)
