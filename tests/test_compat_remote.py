@@ -18,7 +18,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import read_metrics, run_main
+from conftest import read_metrics, run_forked
 from rewards import REWARDS, RemoteRewardError
 from rewards.remote import NotPlainData, plain_loads
 
@@ -236,11 +236,10 @@ def test_geneval_style_server_with_a_metadata_dataset_wandb_and_tensorboard(tiny
     monkeypatch.setenv("WANDB_MODE", "offline")
     custom = f"{tmp_path / 'meta_reward.py'}:meta_reward"
     with pickle_server(geneval_answer) as (url, log):
-        run_main(["--model", "flux", "--nproc", "2", *SMALL, "--steps", "2", "--eval-every", "2", "--eval-prompts", "2",
-                  "--prompt-file", str(tmp_path / "geneval"), "--reward", f"remote=1,{custom}=0.5",
-                  "--remote-url", url, "--wandb", "--wandb-project", "compat", "--tensorboard",
-                  "--run-name", "geneval_run"],
-                 tmp_path, tiny_cache)
+        run_forked(["--model", "flux", "--nproc", "2", *SMALL, "--steps", "2", "--eval-every", "2", "--eval-prompts",
+                    "2", "--prompt-file", str(tmp_path / "geneval"), "--reward", f"remote=1,{custom}=0.5",
+                    "--remote-url", url, "--wandb", "--wandb-project", "compat", "--tensorboard"],
+                   tmp_path, "geneval_run", tiny_cache, env={"WANDB_MODE": "offline"})
     run = tmp_path / "geneval_run"
     rows = read_metrics(run)
     probe, _ = log.pop(0)  # the check request before any rank starts: 2 blank images, the first prompts' rows
@@ -291,9 +290,9 @@ def test_deqa_style_server_with_a_text_dataset(tiny_cache, tmp_path):
     models.tiny_pipeline_path("flux")
     train, test = write_dataset(tmp_path / "pickscore", "txt")
     with pickle_server(deqa_answer) as (url, log):
-        run_main(["--model", "flux", "--mode", "colocated", "--nproc", "1", *SMALL, "--steps", "1", "--eval-every", "1",
-                  "--prompt-file", str(tmp_path / "pickscore"), "--reward", "remote", "--remote-url", url,
-                  "--remote-score-key", "outputs", "--run-name", "deqa"], tmp_path, tiny_cache)
+        run_forked(["--model", "flux", "--mode", "colocated", "--nproc", "1", *SMALL, "--steps", "1", "--eval-every",
+                    "1", "--prompt-file", str(tmp_path / "pickscore"), "--reward", "remote", "--remote-url", url,
+                    "--remote-score-key", "outputs"], tmp_path, "deqa", tiny_cache)
     (row,) = read_metrics(tmp_path / "deqa")
     probe, _ = log.pop(0)  # the check request before any rank starts
     assert probe["prompts"] == train[:2] and len(probe["images"]) == 2
