@@ -188,9 +188,9 @@ def test_several_remote_rewards_with_weights_each_on_its_server(tiny_cache, tmp_
         cfg = cli.prepare(["--config", str(config), *SMALL, "--out-dir", str(tmp_path)])
         assert (cfg.remote_url, cfg.remote_score_key) == (urls, keys)
         # a run logs them separately
-        from conftest import read_metrics, run_main
-        run_main([*SMALL, "--steps", "1", "--reward", spec, "--remote-url", urls, "--remote-score-key", keys,
-                  "--run-name", "two"], tmp_path, tiny_cache)
+        from conftest import read_metrics, run_forked
+        run_forked([*SMALL, "--steps", "1", "--reward", spec, "--remote-url", urls, "--remote-score-key", keys],
+                   tmp_path, "two", tiny_cache)
     (row,) = read_metrics(tmp_path / "two")
     assert row["reward_mean"] == pytest.approx(row["reward_remote_geneval_mean"]
                                                + 0.5 * row["reward_remote_deqa_mean"], abs=1e-5)
