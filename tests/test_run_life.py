@@ -91,10 +91,11 @@ def test_stopping_the_launcher_leaves_no_rank_alive(how, sig, tiny_cache, tmp_pa
     check, the launcher is the first job's.)"""
     name = f"{how}_{sig.name}"
     run = tmp_path / name
-    args = ["--mode", "digenrl", *TINY, "--steps", "500", "--save-every", "1"]
+    resumed = how == "self" and sig == signal.SIGKILL  # the one run continued: a checkpoint every step
+    args = ["--mode", "digenrl", *TINY, "--steps", "500", "--save-every", "1" if resumed else "0"]
     proc = start(args, name, tmp_path, tiny_cache, torchrun=2 if how == "torchrun" else 0)
     try:
-        wait_for_rows(proc, run, 2, tmp_path, name)  # a checkpoint exists: --resume would be valid
+        wait_for_rows(proc, run, 2 if resumed else 1, tmp_path, name)  # 2: the checkpoint of step 1 exists
         if how == "self" and sig == signal.SIGTERM:
             lock, config = (run / LOCK_NAME).read_text(), os.stat(run / "config.json")
             second = refused(["--resume", str(run)], monkeypatch, capsys)  # main.main: exit status 2, nothing run
@@ -120,7 +121,9 @@ def test_stopping_the_launcher_leaves_no_rank_alive(how, sig, tiny_cache, tmp_pa
     if sig == signal.SIGTERM:
         log = log_of(tmp_path, name)
         assert "stopped on request after step" in log and "continue with: python main.py --resume" in log, log[-3000:]
-        assert (run / "checkpoints" / f"step_{len(rows):06d}" / "state.pt").exists()  # after the last row
+        # --save-every 0: the stop's own checkpoint, after the last row, and no other
+        assert sorted(os.listdir(run / "checkpoints")) == [f"step_{len(rows):06d}"], log[-3000:]
+        assert (run / "checkpoints" / f"step_{len(rows):06d}" / "state.pt").exists()
         if how == "self":
             assert code == EXIT_PREEMPTED, log[-3000:]
     elif how == "self":
