@@ -78,21 +78,27 @@ def test_steps_longer_than_the_timeout_complete_in_every_mode(mode, tiny_cache, 
     assert len(times) == 1 and times[0] >= 2 * TIMEOUT_S, (mode, times)
 
 
-TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3")
-VICTIM_JOB = ["--mode", "digenrl", "--nproc", "3", "--rollout-ranks", "2", "--steps", "500", "--prompts-per-step", "4",
-              "--group-size", "2", "--num-steps", "3", "--eval-every", "0", "--save-every", "0", "--no-trace",
-              "--timeout-s", "5"]
+VICTIM_JOB = ["--mode", "digenrl", "--steps", "500", "--prompts-per-step", "4", "--group-size", "2", "--num-steps", "3",
+              "--eval-every", "0", "--save-every", "0", "--no-trace", "--timeout-s", "5"]
+# Self-spawned: 3 ranks, so two survivors (rollout ranks 0 and 1) must end the job. Under torchrun 2 (one survivor):
+# each rank there is a fresh interpreter importing torch and diffusers (~10 s of CPU), and torchrun's agent ends
+# every other worker once one fails, so a third rank would add no path of ours.
+LAYOUTS = {"self": ((sys.executable, "main.py"), ["--nproc", "3", "--rollout-ranks", "2"]),
+           "torchrun": ((sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                         "main.py"), ["--rollout-ranks", "1"])}  # torchrun sets the world
 
 
 @pytest.mark.parametrize("launcher,sig,expected", [
     ("self", signal.SIGSTOP, "rank 2 (trainer) showed no sign of life"),
-    ("torchrun", signal.SIGKILL, "rank 2 (trainer) died"),
-    ("torchrun", signal.SIGSTOP, "rank 2 (trainer) showed no sign of life"),
+    ("torchrun", signal.SIGKILL, "rank 1 (trainer) died"),
+    ("torchrun", signal.SIGSTOP, "rank 1 (trainer) showed no sign of life"),
 ], ids=["self-sigstop", "torchrun-sigkill", "torchrun-sigstop"])
 def test_a_dead_or_frozen_rank_ends_the_job_naming_it(launcher, sig, expected, tiny_cache, tmp_path):
-    cmd = TORCHRUN + ("main.py",) if launcher == "torchrun" else (sys.executable, "main.py")
-    args = VICTIM_JOB[:2] + VICTIM_JOB[4:] if launcher == "torchrun" else VICTIM_JOB  # torchrun sets the world
-    proc = _popen([*args, "--run-name", "job"], tmp_path, tiny_cache, "job.log", launcher=cmd)
+    """The last rank, a trainer, killed or frozen once the job is in its loop: the job ends within --timeout-s + 30 s
+    with a message naming it and its role."""
+    cmd, layout = LAYOUTS[launcher]
+    world = 3 if launcher == "self" else 2
+    proc = _popen([*VICTIM_JOB, *layout, "--run-name", "job"], tmp_path, tiny_cache, "job.log", launcher=cmd)
     ranks = {}
     try:
         metrics = tmp_path / "job" / "metrics.jsonl"
@@ -101,8 +107,8 @@ def test_a_dead_or_frozen_rank_ends_the_job_naming_it(launcher, sig, expected, t
             assert proc.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "the job never got going"
             time.sleep(0.2)
-        ranks = rank_pids(proc.pid, 3)
-        pid, role = ranks[2]
+        ranks = rank_pids(proc.pid, world)
+        pid, role = ranks[world - 1]
         assert role == "trainer"
         os.kill(pid, sig)
         hit = time.monotonic()

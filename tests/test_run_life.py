@@ -4,7 +4,9 @@ stops a run after the current step with a checkpoint that --resume continues exa
 runs the demo colocated.
 
 Every kill moment waits for a step to appear in metrics.jsonl first (never a clock-seeded moment), so which step a
-signal lands in varies, and every assertion holds for any of them.
+signal lands in varies, and every assertion holds for any of them. The jobs signalled are real launches (main.py,
+torchrun); the uninterrupted references and the resumes that continue a stopped job are its ranks forked from this
+process (conftest.run_forked: what they compute is their point, not two fresh interpreters importing torch).
 Run: python -m pytest -q tests/test_run_life.py --timeout 600
 """
 import json
@@ -20,7 +22,7 @@ import torch
 
 import main
 import cli
-from conftest import ROOT, checkpoint_weights, rank_pids, read_metrics, run_forked, run_main
+from conftest import ROOT, checkpoint_weights, rank_pids, read_metrics, run_forked
 from infra.preemption import EXIT_PREEMPTED
 from infra.runlock import LOCK_NAME, RunLock
 
@@ -79,23 +81,25 @@ def wait_all_dead(pids, timeout_s: float = DEAD_WITHIN_S) -> list[int]:
 
 @pytest.mark.parametrize("how", ["self", "torchrun"])
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["KILL", "TERM"])
-def test_stopping_the_launcher_leaves_no_rank_alive(how, sig, tiny_cache, tmp_path):
+def test_stopping_the_launcher_leaves_no_rank_alive(how, sig, tiny_cache, tmp_path, monkeypatch, capsys):
     """Ranks outliving their launcher: `kill` of main.py (or of torchrun) used to leave both ranks training to
     the end, reparented to pid 1. SIGKILL: they die with it (PR_SET_PDEATHSIG); SIGTERM: they stop after the
     current step with a checkpoint (status 75 from the self-spawned launcher). Self-spawned, also: a second job on
     the running run directory is refused before it writes anything (two jobs used to interleave their metrics),
-    and after the SIGKILL `--resume` takes the dead job's lock over and continues without a duplicate step."""
+    and after the SIGKILL `--resume` takes the dead job's lock over and continues without a duplicate step. (The
+    second job and the resume are main.py's command line in this process: the lock and the run are what they
+    check, the launcher is the first job's.)"""
     name = f"{how}_{sig.name}"
     run = tmp_path / name
-    args = ["--mode", "digenrl", *TINY, "--steps", "500", "--save-every", "1"]
+    resumed = how == "self" and sig == signal.SIGKILL  # the one run continued: a checkpoint every step
+    args = ["--mode", "digenrl", *TINY, "--steps", "500", "--save-every", "1" if resumed else "0"]
     proc = start(args, name, tmp_path, tiny_cache, torchrun=2 if how == "torchrun" else 0)
     try:
-        wait_for_rows(proc, run, 2, tmp_path, name)  # a checkpoint exists: --resume would be valid
+        wait_for_rows(proc, run, 2 if resumed else 1, tmp_path, name)  # 2: the checkpoint of step 1 exists
         if how == "self" and sig == signal.SIGTERM:
             lock, config = (run / LOCK_NAME).read_text(), os.stat(run / "config.json")
-            second = run_main(["--resume", str(run)], tmp_path, tiny_cache, check=False)
-            assert second.returncode == 2, second.stderr[-3000:]
-            assert "is in use by another job (host " in second.stderr and f"pid {proc.pid}," in second.stderr
+            second = refused(["--resume", str(run)], monkeypatch, capsys)  # main.main: exit status 2, nothing run
+            assert "is in use by another job (host " in second and f"pid {proc.pid}," in second, second
             now = os.stat(run / "config.json")  # RunDir rewrites it (a new inode): it was not touched
             assert (now.st_ino, now.st_mtime_ns) == (config.st_ino, config.st_mtime_ns)
             assert (run / LOCK_NAME).read_text() == lock
@@ -117,12 +121,15 @@ def test_stopping_the_launcher_leaves_no_rank_alive(how, sig, tiny_cache, tmp_pa
     if sig == signal.SIGTERM:
         log = log_of(tmp_path, name)
         assert "stopped on request after step" in log and "continue with: python main.py --resume" in log, log[-3000:]
-        assert (run / "checkpoints" / f"step_{len(rows):06d}" / "state.pt").exists()  # after the last row
+        # --save-every 0: the stop's own checkpoint, after the last row, and no other
+        assert sorted(os.listdir(run / "checkpoints")) == [f"step_{len(rows):06d}"], log[-3000:]
+        assert (run / "checkpoints" / f"step_{len(rows):06d}" / "state.pt").exists()
         if how == "self":
             assert code == EXIT_PREEMPTED, log[-3000:]
     elif how == "self":
-        resumed = run_main(["--resume", str(run), "--steps", str(len(rows) + 1)], tmp_path, tiny_cache)
-        assert f"taking over the lock of {run}: its holder (host " in resumed.stderr
+        capsys.readouterr()
+        run_forked(["--resume", str(run), "--steps", str(len(rows) + 1)], tmp_path, "resumed", tiny_cache)
+        assert f"taking over the lock of {run}: its holder (host " in capsys.readouterr().err
         assert [r["step"] for r in read_metrics(run)] == list(range(len(rows) + 1))  # no step twice
 
 
@@ -158,8 +165,8 @@ def test_sigterm_checkpoints_and_resume_equals_the_uninterrupted_run_colocated(t
     assert 2 <= stopped_after < 6, "the stop should land mid-run"
     names = sorted(os.listdir(tmp_path / "stopped" / "checkpoints"))
     assert names == [f"step_{stopped_after:06d}"]  # --save-every 0: the preemption's checkpoint only
-    proc = run_main(["--resume", str(tmp_path / "stopped")], tmp_path, tiny_cache)
-    assert f"resumed from step {stopped_after} " in proc.stdout
+    resumed = run_forked(["--resume", str(tmp_path / "stopped")], tmp_path, "resumed", tiny_cache)
+    assert f"resumed from step {stopped_after} " in resumed.log
     rows, expected = read_metrics(tmp_path / "stopped"), read_metrics(tmp_path / "straight")
     assert [r["step"] for r in rows] == list(range(6))
     for row, ref in zip(rows, expected):
@@ -195,7 +202,7 @@ def test_sigterm_of_a_two_rank_job_then_resume_matches_the_uninterrupted_run(tin
     assert f"stopped on request after step {stopped_after - 1}" in log_of(tmp_path, "stopped")
     assert sorted(os.listdir(run / "checkpoints")) == [f"step_{stopped_after:06d}"]
     assert (run / LOCK_NAME).read_text() == ""  # released cleanly: nothing stale
-    run_main(["--resume", str(run)], tmp_path, tiny_cache)
+    run_forked(["--resume", str(run)], tmp_path, "resumed", tiny_cache)
     rows, expected = read_metrics(run), read_metrics(tmp_path / "straight")
     assert [r["step"] for r in rows] == list(range(6))
     for row, ref in zip(rows, expected):
@@ -291,12 +298,20 @@ def test_an_explicit_disaggregated_mode_on_one_rank_names_the_command(monkeypatc
 def test_cpu_ranks_are_forked_from_a_forkserver_that_imported_their_pipeline():
     """CPU ranks start from a forkserver (imports paid once), ranks that may use CUDA fresh (a process forked from
     one that touched CUDA cannot use it); each family names the module its pipeline class lives in, which the
-    forkserver imports for the ranks (a stale name would only cost time: the import error is swallowed)."""
+    forkserver imports for the ranks (a stale name would only cost time: the import error is swallowed). The
+    module's source is read, not imported: importing the five pipelines costs this process ~6 s of CPU (the first
+    brings in diffusers' and transformers' models), and every run of a family imports its class anyway."""
+    import importlib.util
+    import re
+
     import models
     from infra.launch import main_module, start_method_for
     assert start_method_for("cpu") == "forkserver" and start_method_for("cuda") == "spawn"
     assert start_method_for("auto") == ("spawn" if torch.cuda.is_available() else "forkserver")
     for name in ("flux", "qwenimage", "wan", "hunyuanvideo", "sd3"):
         family = models.get_family(name)
-        assert family.pipeline_class().__module__ == family.pipeline_module, name
+        package, *inside = family.pipeline_module.split(".")
+        source = os.path.join(os.path.dirname(importlib.util.find_spec(package).origin), *inside) + ".py"
+        with open(source) as f:  # where the class is defined, as its __module__ would name it
+            assert re.search(rf"^class {family.pipeline_class_name}\(", f.read(), re.MULTILINE), (name, source)
     assert main_module() is None  # pytest's __main__ is not a script folder's module
