@@ -47,7 +47,7 @@ SLOW_REWARD = ("import time\n\ndef slow(images, prompts):\n    with open('/proc/
                "        generating = f.read().strip() in ('dg0-rollout', 'dg1-colocated')\n"
                "    if len(images) > 2 and generating:\n        time.sleep({s})\n"
                "    return images.mean(dim=(1, 2, 3))\n")
-SLOW_S, TIMEOUT_S = 10, 4  # one reward call per step takes 2.5 x --timeout-s
+SLOW_S, TIMEOUT_S = 12.5, 5  # one reward call per step takes 2.5 x --timeout-s (4 s: a heartbeat starved at load 13)
 MODES = {  # one fragment per generating rank per step. DigenRL with --fsdp on 3 ranks (a row here until
     # 2026-12-04): tests/test_stall_matrix.py's slowed run is that layout with the reward slowed to 3 x --timeout-s
     # (and every other point slowed too); the digenrl row below keeps the default --excused-timeout-s.
