@@ -36,9 +36,11 @@ def rank_entry(payload, rank, world, local_rank, master, agent_store, report_sil
 
 
 def preload(model: str) -> tuple[str, ...]:
-    """What the forkserver imports once: main.py, the model's pipeline module, this module (the ranks' entry)."""
+    """What the forkserver imports once: main.py, the model's pipeline module, this module (the ranks' entry), and
+    matplotlib's figure (each job's leader draws its reward curve and timeline: ~1.5 s of CPU per job to import)."""
     import models
-    return ("main", models.get_family(model).pipeline_module, __name__)
+    return ("main", models.get_family(model).pipeline_module, __name__, "matplotlib.figure",
+            "matplotlib.backends.backend_agg")
 
 
 def forkserver(model: str):
