@@ -3,7 +3,10 @@ is) in a fresh copy of the checkout; each blanked function makes its grader fail
 blank / restore give back every byte.
 
 The commands are read from COURSE.md's marked blocks (`<!-- check N -->`, `<!-- run N -->`,
-`<!-- blank N -->`, `<!-- handout -->` before a bash block), so the page cannot drift from what is tested. Smaller
+`<!-- blank N -->`, `<!-- handout -->` before a bash block), so the page cannot drift from what is tested. The
+reference's blocks (checks 1-6, run 5) run once, in one interpreter (tests/run_blocks.py: each line as a fresh
+`python` would run it, the project's modules imported again for each line, torch, diffusers and pytest once, and
+one forkserver for the jobs of assignments 4 and 6), and each test reads its block's exit status and output. Smaller
 configurations than the page's, to keep this file near a minute on 2 cores:
 - assignment 4: bench.py runs 3 steps of T = 8 (the page: --quick's 8 steps of T = 24);
 - assignment 6: learning_bench.py runs seed 0 for 2 steps (the page: seeds 0-2, 200 steps);
@@ -26,7 +29,7 @@ import pytest
 from conftest import ROOT
 from tools import course, simulate
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = pytest.mark.timeout(1200)  # the first test of the reference's blocks waits for all of them
 PAGE = os.path.join(ROOT, "docs", "COURSE.md")
 NOTES = os.path.join(ROOT, "docs", "COURSE_NOTES.md")
 BLANKED = {1: ["tsp.py"], 2: ["tag.py"], 3: ["async_policy.py"]}  # what each blank block changes
@@ -82,26 +85,58 @@ def checkout(tmp_path_factory, tiny_cache):
     return fresh_copy(tmp / "digenrl"), tiny_cache, tmp
 
 
+def smaller_checks() -> dict[str, str]:
+    """The reference's blocks, in the order they run: the code checks first (nothing else's output can reach
+    theirs), the jobs of assignments 4 and 6 last (their forkserver, started by the first, serves the second)."""
+    t_ref, t_slow = reference_threshold({}), reference_threshold({0: 0.5})
+    return {"check 1": blocks("check")[1], "check 2": blocks("check")[2], "check 3": blocks("check")[3],
+            "run 5": blocks("run")[5],
+            "check 5": blocks("check")[5].replace("YOUR_T_SLOW", str(t_slow)).replace("YOUR_T", str(t_ref)),
+            "check 4": smaller(blocks("check")[4], "--modes naive,gap --out",
+                               "--modes naive,gap --steps 3 --num-steps 8 --out"),
+            "check 6": smaller(blocks("check")[6], "--seeds 0,1,2", "--seeds 0 --steps 2")}
+
+
+@pytest.fixture(scope="module")
+def reference(checkout) -> dict[str, subprocess.CompletedProcess]:
+    """Each of smaller_checks()'s blocks run in the fresh copy: its exit status (the first failing line's, as
+    `bash -e`), stdout and stderr."""
+    copy, cache, tmp = checkout
+    checks = smaller_checks()
+    out = os.path.join(tmp, "blocks")
+    env = dict(os.environ, DIGENRL_CACHE=cache, DIGENRL_TEST_CACHE=cache, OMP_NUM_THREADS="1",
+               PYTHONDONTWRITEBYTECODE="1")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "run_blocks.py"), out, *checks.values()],
+                          cwd=copy, env=env, capture_output=True, text=True, timeout=1100)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    def read(i: int, kind: str) -> str:
+        with open(os.path.join(out, f"{i}.{kind}"), errors="replace") as f:
+            return f.read()
+
+    return {name: subprocess.CompletedProcess(text, int(read(i, "code")), read(i, "out"), read(i, "err"))
+            for i, (name, text) in enumerate(checks.items())}
+
+
 def test_the_page_marks_every_command():
     assert sorted(blocks("check")) == [1, 2, 3, 4, 5, 6]
     assert sorted(blocks("blank")) == sorted(BLANKED) and sorted(blocks("run")) == [5]
     assert list(blocks("handout")) == [0]
     with open(PAGE) as f:
         assert len(re.findall(r"^## \d\. ", f.read(), re.M)) == 6
+    for text in smaller_checks().values():  # what tests/run_blocks.py runs: `python` lines only
+        assert all(line.startswith("python ") for line in text.splitlines() if line.strip()), text
 
 
 @pytest.mark.parametrize("n", [1, 2, 3])
-def test_code_assignment_checks_pass_on_the_reference(checkout, n):
-    copy, cache, tmp = checkout
-    proc = run(blocks("check")[n], copy, cache, tmp)
+def test_code_assignment_checks_pass_on_the_reference(reference, n):
+    proc = reference[f"check {n}"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "failed" not in proc.stdout
 
 
-def test_gap_assignment_check(checkout):
+def test_gap_assignment_check(checkout, reference):
     copy, cache, tmp = checkout
-    text = smaller(blocks("check")[4], "--modes naive,gap --out", "--modes naive,gap --steps 3 --num-steps 8 --out")
-    proc = run(text, copy, cache, tmp)
+    proc = reference["check 4"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("[ok]") == 3
     for mode in ("naive", "gap"):
@@ -142,14 +177,12 @@ def reference_threshold(rank_speed: dict) -> int:
     return next(t for t in range(wl.train_steps + 1, 400) if gain(costs, cluster, wl, t) >= course.MIN_GAIN)
 
 
-def test_tag_assignment_runs_and_its_check_accepts_only_the_threshold(checkout, capsys):
-    copy, cache, tmp = checkout
-    proc = run(blocks("run")[5], copy, cache, tmp)
+def test_tag_assignment_runs_and_its_check_accepts_only_the_threshold(reference):
+    proc = reference["run 5"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("## num_steps=") == 6 + 7 + 4 and proc.stdout.count("digenrl ") == 7 + 4
     t_ref, t_slow = reference_threshold({}), reference_threshold({0: 0.5})
-    text = blocks("check")[5].replace("YOUR_T_SLOW", str(t_slow)).replace("YOUR_T", str(t_ref))
-    proc = run(text, copy, cache, tmp)
+    proc = reference["check 5"]  # YOUR_T and YOUR_T_SLOW: t_ref and t_slow
     assert proc.returncode == 0 and proc.stdout.count("[ok]") == 2, proc.stdout + proc.stderr
     costs = os.path.join(ROOT, "docs", "course_costs.json")
     for wrong in (t_ref - 1, t_ref + 1):  # not yet helping / not where it starts
@@ -161,10 +194,9 @@ def test_tag_assignment_runs_and_its_check_accepts_only_the_threshold(checkout, 
     assert quoted and (int(quoted[1]), int(quoted[2])) == (t_ref, t_slow)
 
 
-def test_tcss_assignment_check(checkout):
+def test_tcss_assignment_check(checkout, reference):
     copy, cache, tmp = checkout
-    text = smaller(blocks("check")[6], "--seeds 0,1,2", "--seeds 0 --steps 2")
-    proc = run(text, copy, cache, tmp)
+    proc = reference["check 6"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = os.path.join(copy, "runs", "course", "tcss")
     assert {"reward_curves.png", "reward_curves_wall.png", "time_to_reward.json"} <= set(os.listdir(out))
@@ -257,3 +289,51 @@ def test_blank_refuses_bad_specs_and_writes_nothing(project, spec, message):
     assert (project / "tsp.py").read_bytes() == original and not os.path.exists(project / ".course")
     with pytest.raises(course.CourseError, match="not blanked"):
         course.restore("tsp.py")
+
+
+def test_run_blocks_runs_each_line_as_a_fresh_python_would(tmp_path):
+    """tests/run_blocks.py, which runs the reference's blocks: a line cannot lean on an earlier line's imports,
+    path or environment (each would mask a tool that fails from a fresh shell); a failing line ends its block with
+    its exit status, as `bash -e`; the next block runs anyway; `python -m` and SystemExit as the interpreter has
+    them."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "helper.py").write_text("VALUE = 'fresh'\n")
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "first.py").write_text(
+        "import os, sys\nsys.path.insert(0, os.getcwd())\nimport pkg.helper\npkg.helper.VALUE = 'changed'\n"
+        "os.environ['LEAKED'] = '1'\nos.chdir('tools')\nprint('first ran')\n")
+    (tmp_path / "tools" / "second.py").write_text(  # no path of its own: pkg is not importable from a fresh shell
+        "import os, sys\nprint('leaked' if 'LEAKED' in os.environ else 'clean', os.path.basename(os.getcwd()))\n"
+        "print('pkg seen' if 'pkg' in sys.modules else 'pkg unseen')\nimport pkg.helper\n")
+    (tmp_path / "tools" / "exits.py").write_text("import sys\nprint('exits', sys.argv[1:])\nsys.exit(3)\n")
+    (tmp_path / "tools" / "says.py").write_text("raise SystemExit('error: told')\n")
+    blocks_ = ["python tools/first.py\npython tools/second.py", "python tools/exits.py a 'b c'\npython tools/first.py",
+               "python -m pkg.helper\npython tools/says.py", "python tools/second.py"]
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "run_blocks.py"), str(out), *blocks_],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    read = lambda i, kind: (out / f"{i}.{kind}").read_text()  # noqa: E731
+    assert read(0, "out") == f"first ran\nclean {tmp_path.name}\npkg unseen\n" and read(0, "code") == "1"
+    assert "No module named 'pkg'" in read(0, "err")  # second.py fails as it would from a shell
+    assert read(1, "out") == "exits ['a', 'b c']\n" and read(1, "code") == "3"  # first.py never ran
+    assert read(2, "code") == "1" and read(2, "err") == "error: told\n"
+    assert read(3, "code") == "1" and read(3, "out") == f"clean {tmp_path.name}\npkg unseen\n"
+
+
+def test_main_job_refuses_a_bad_job_as_main_py_does_and_sends_one_rank_jobs_to_it(tmp_path):
+    """tools/main_job.py (bench.py's and learning_bench.py's jobs): a job refused by validation gets main.py's exit
+    code 2 and its one line, written where the caller asked (nothing spawned); the jobs cli.main would run inside
+    the calling process itself (one rank, a torchrun rank) and command lines that do not parse go to `python
+    main.py`."""
+    from tools import main_job
+
+    log = str(tmp_path / "job.log")
+    assert main_job.run(["--nproc", "2", "--steps", "0", "--out-dir", str(tmp_path)], stdout=log, stderr=log) == 2
+    with open(log) as f:
+        text = f.read()
+    assert text.startswith("error: ") and "--steps" in text and text.count("\n") == 1, text
+    assert os.listdir(tmp_path) == ["job.log"]  # no run folder: refused before anything was written
+    assert main_job.in_process(["--nproc", "2"]) and not main_job.in_process(["--nproc", "1"])
+    assert not main_job.in_process(["--no-such-flag"])

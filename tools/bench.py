@@ -5,7 +5,8 @@
     python tools/bench.py --modes naive,digenrl --nproc 4 --rollout-ranks 2 --steps 10
     python tools/bench.py --device cuda --size flux-12b  # GPU check: overhead vs the bare transformer
 
-Each mode runs as `python main.py ... --trace`; its trace.json is parsed back into spans and its
+Each mode runs main.py's job (`python main.py ... --trace`, its ranks forked from this process: tools/main_job.py,
+one import of torch and diffusers for every mode); its trace.json is parsed back into spans and its
 metrics.jsonl gives the step times (step 0 is warm-up and excluded). Per mode: steps/s,
 trajectories/s, trained pairs/s, busy fraction per rank (union of spans other than "wait" and the
 background "send" thread, inside the measured window), bubble fraction, efficiency (work priced at
@@ -21,19 +22,18 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
+import tempfile
 import time
 
 if __package__ in (None, ""):  # run as `python tools/X.py`: make the project root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from infra import emulate  # noqa: E402
-from tools import gpu_check, simulate  # noqa: E402
+from tools import gpu_check, main_job, simulate  # noqa: E402
 from tools.bench_analysis import (_median, analyse, cheapest_costs, efficiency,  # noqa: E402
                                   load_spans, measured_costs, mode_costs)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Tuned on this 2-core machine (with simulate.py): fragments of 2 groups (2 fragments per step) amortise
 # the ~14 ms a fragment takes to cross gloo; T_train = 9 of T = 24 balances generation and training on
 # 1 rollout + 1 trainer rank with two updates per batch (2026-12-03, docs/RESULTS.md section 2: at 8
@@ -54,20 +54,25 @@ def mode_flags(mode: str) -> list[str]:
 def run_mode(mode: str, args, out: str, extra: tuple = ()) -> dict:
     run_dir = os.path.join(out, mode)
     shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl appends: start clean
-    cmd = [sys.executable, os.path.join(ROOT, "main.py"), *mode_flags(mode), "--model", args.model,
-           "--steps", str(args.steps), "--num-steps", str(args.num_steps),
-           "--timestep-fraction", str(args.timestep_fraction),
-           "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
-           "--fragment-groups", str(args.fragment_groups), "--tsp-pack", str(args.tsp_pack),
-           "--updates-per-batch", str(args.updates_per_batch),
-           "--nproc", str(args.nproc), "--rollout-ranks", str(args.rollout_ranks),
-           "--seed", str(args.seed), "--device", args.device, "--trace", "--no-progress",
-           "--eval-every", "0", "--save-every", "0", "--threads", "1", "--run-name", mode,
-           "--out-dir", out, *extra]
+    argv = [*mode_flags(mode), "--model", args.model,
+            "--steps", str(args.steps), "--num-steps", str(args.num_steps),
+            "--timestep-fraction", str(args.timestep_fraction),
+            "--prompts-per-step", str(args.prompts_per_step), "--group-size", str(args.group_size),
+            "--fragment-groups", str(args.fragment_groups), "--tsp-pack", str(args.tsp_pack),
+            "--updates-per-batch", str(args.updates_per_batch),
+            "--nproc", str(args.nproc), "--rollout-ranks", str(args.rollout_ranks),
+            "--seed", str(args.seed), "--device", args.device, "--trace", "--no-progress",
+            "--eval-every", "0", "--save-every", "0", "--threads", "1", "--run-name", mode,
+            "--out-dir", out, *extra]
+    os.environ["OMP_NUM_THREADS"] = "1"  # the ranks' (and their forkserver's), as every mode's run had
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if proc.returncode != 0:
-        raise RuntimeError(f"mode {mode} failed ({' '.join(cmd)}):\n{proc.stderr[-3000:]}")
+    with tempfile.TemporaryDirectory() as tmp:  # the job's output: its tail names a failure
+        log = os.path.join(tmp, "main.log")
+        code = main_job.run(argv, stdout=log, stderr=log)  # `python main.py argv`, ranks forked here
+        if code != 0:
+            with open(log, errors="replace") as f:
+                raise RuntimeError(f"mode {mode} failed ({code}; python main.py {' '.join(argv)}):\n"
+                                   f"{f.read()[-3000:]}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f if line.strip()]
     return {"spans": load_spans(os.path.join(run_dir, "trace.json")), "metrics": metrics,
@@ -75,7 +80,7 @@ def run_mode(mode: str, args, out: str, extra: tuple = ()) -> dict:
 
 
 def inprocess_costs(args, w: dict) -> dict:
-    """Timed here, one thread, the other core idle: decode + reward of one fragment (the trace folds both
+    """Timed in one process, one thread, the other core idle: decode + reward of one fragment (the trace folds both
     into "generate"), and generating one group vs one fragment through rollout.generate_fragment. On a CPU
     a forward's fixed per-call cost dominates, so one group costs far more than half a 2-group fragment;
     the simulator needs that shape for TAG's group-sized shares. Measured in float32 (bench runs on
@@ -161,7 +166,9 @@ def sim_setup(args, w: dict, rank_speed: dict | None = None):
 
 def validate(rows: list[dict], w: dict, args) -> tuple[simulate.Costs, dict]:
     """simulate.py's step time from this run's per-op costs beside the measured one; writes costs.json."""
-    inproc = inprocess_costs(args, w)
+    # on the CPU in a process forked from the modes' forkserver, which imported diffusers and the pipeline already
+    inproc = main_job.forked(inprocess_costs, args, w, model=args.model) if args.device == "cpu" \
+        else inprocess_costs(args, w)
     costs = measured_costs(rows, w, inproc)
     workload, cluster = sim_setup(args, w)
     path = os.path.join(args.out, "costs.json")

@@ -4,11 +4,12 @@
     python tools/learning_bench.py --modes colocated,digenrl --seeds 0 --steps 20 --out /tmp/lb
 
 Runs `python main.py <mode flags> --seed S --steps N --eval-every 0 --save-every 0` (every other
-setting is the default demo's) into OUT/<mode>-s<seed>, one run at a time so runs never share the
-CPU, skipping runs that already finished (--force reruns them). Then prints, per mode over its
-seeds, the wall-clock seconds to reach colocated's final reward and the reward reached at the
-shortest run's wall clock, and writes OUT/reward_curves.png, OUT/reward_curves_wall.png and
-OUT/time_to_reward.json. Timings are only comparable on a quiet machine.
+setting is the default demo's; the ranks forked from this process, tools/main_job.py) into
+OUT/<mode>-s<seed>, one run at a time so runs never share the CPU, skipping runs that already
+finished (--force reruns them). Then prints, per mode over its seeds, the wall-clock seconds to
+reach colocated's final reward and the reward reached at the shortest run's wall clock, and writes
+OUT/reward_curves.png, OUT/reward_curves_wall.png and OUT/time_to_reward.json. Timings are only
+comparable on a quiet machine.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import sys
 if __package__ in (None, ""):  # run as `python tools/X.py`: make the project root importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools import compare_runs  # noqa: E402
+from tools import compare_runs, main_job  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODE_FLAGS = {"colocated": ["--mode", "colocated"], "naive": ["--mode", "naive"],
@@ -81,8 +82,10 @@ def main(argv=None) -> int:
                    "--threads", "1", "--run-name", name, "--out-dir", args.out, *args.extra]
             print(f"[learning] {name}: {' '.join(cmd[1:])}", flush=True)
             shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished run starts over
-            subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                           stdout=subprocess.DEVNULL)
+            os.environ["OMP_NUM_THREADS"] = "1"  # the ranks' (and their forkserver's), as every run had
+            code = main_job.run(cmd[2:], stdout=os.devnull)  # `python main.py ...`, its ranks forked here
+            if code != 0:
+                raise subprocess.CalledProcessError(code, cmd)
     print_final_eval(specs)
     walls = [compare_runs.wall_clock(compare_runs.read_rows(s.split("=", 1)[1]))[-1] for s in specs]
     return compare_runs.main(specs + ["--out", os.path.join(args.out, "reward_curves.png"),
