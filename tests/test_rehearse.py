@@ -6,13 +6,11 @@ tools/real_models.py's counts for the text encoders and the VAE), and the replay
 every call. The full-size rows come from `python tools/rehearse.py --table` (docs/RESULTS.md 5).
 """
 import json
-import subprocess
-import sys
 import types
 
 import pytest
 
-from conftest import ROOT
+import forked_tool
 
 pytestmark = pytest.mark.timeout(900)
 GIB = 2**30
@@ -23,10 +21,12 @@ SMALL = ["--model", "flux", "--nproc", "3", "--rollout-ranks", "1", "--depth", "
 
 
 def rehearse(tmp_path, *flags) -> dict:
+    """`python tools/rehearse.py SMALL flags --json ...`, its main() forked from this worker's forkserver (it imported
+    torch and diffusers once: tests/forked_tool.py)."""
     out = tmp_path / "rehearsal.json"
-    proc = subprocess.run([sys.executable, "tools/rehearse.py", *SMALL, *flags, "--json", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=850)
-    assert proc.returncode == 0, (proc.stdout[-4000:], proc.stderr[-4000:])
+    proc = forked_tool.run_tool("tools.rehearse", [*SMALL, *flags, "--json", str(out)], tmp_path / "rehearse.log",
+                                timeout_s=850)
+    assert proc.returncode == 0, (proc.returncode, proc.output[-8000:])
     report = json.loads(out.read_text())
     assert {"run", "resume"} <= set(report["jobs"])
     for job in report["jobs"].values():
