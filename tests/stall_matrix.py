@@ -248,20 +248,22 @@ ROWS = {
 # --- the slow half: every point slowed, in SLOW_PARTS jobs side by side ----------------------------------------------
 EXCUSED = [p for p, row in ROWS.items() if row.excused]
 # A slowed point adds up to 3 T on its rank, and the points of one rank follow each other: one job slowing all of
-# them took 231 s (2026-12-05), the matrix's longest path by far. So the points are split over jobs of the same
+# them took 231 s (2026-12-05), the matrix's longest path by far. So the points are split over two jobs of the same
 # command that run side by side, each slowing its part at once (balanced by the seconds each point added in that
-# one job: ~70-90 s of delay each). A row named in no part is slowed in the last one, so a new row is never left out.
+# one job: ~115 s of delay each; three parts cost a third job's start-up and steps for a path the stalled rows are
+# longer than anyway). A row named in no part is slowed in the last one, so a new row is never left out.
 SLOW_PARTS = (  # a "stay" row goes with the slowed points its long wait comes from (what its peer is doing meanwhile)
     # start-up, resume, the rollout rank's reward and weights (the leader waits for its fragments meanwhile, and
-    # rank 2 in "command broadcast" for the leader)
+    # rank 2 in "command broadcast" for the leader), publishing and evaluation
     ("connect", "process groups", "align clocks", "load the pipeline", "build the reward", "resume", "wait", "reward",
-     "next publish", "receive weights", "recv", "fragment broadcast", "tag share", "command broadcast"),
-    # a step's training and its collectives (the rollout rank's sender waits for the trainers meanwhile)
-    ("tag", "train", "optimizer", "grad-norm all-reduce", "loss-check all-reduce", "metrics all-reduce", "send"),
-    # publishing, evaluation, checkpoints, the trace (the rollout rank waits for the trainers' end meanwhile, and
-    # rank 2 at the last barrier for the leader writing the trace), and every row named in no part
-    ("publish", "eval", "evaluation gather", "checkpoint", "write the run directory", "trace gather",
-     "write the trace", "wait for the trainers' end", "last barrier"),
+     "next publish", "receive weights", "recv", "fragment broadcast", "tag share", "command broadcast", "publish",
+     "eval", "evaluation gather"),
+    # a step's training and its collectives (the rollout rank's sender waits for the trainers meanwhile),
+    # checkpoints and the trace (the rollout rank waits for the trainers' end meanwhile, and rank 2 at the last
+    # barrier for the leader writing the trace), and every row named in no part
+    ("tag", "train", "optimizer", "grad-norm all-reduce", "loss-check all-reduce", "metrics all-reduce", "send",
+     "checkpoint", "write the run directory", "trace gather", "write the trace", "wait for the trainers' end",
+     "last barrier"),
 )
 
 
