@@ -541,7 +541,9 @@ def test_a_neighbour_cannot_steer_the_job_through_its_store_and_a_resume_redoes_
                                   timeout=datetime.timedelta(seconds=30))
         for key in ("preemption/stop/asked", "stop/asked", "preemption/stop/done"):
             neighbour.set(key, "0")
-        seen = b"".join(neighbour.get(k) for k in neighbour.list_keys() if not k.startswith(("preemption", "stop")))
+        keys = neighbour.list_keys()
+        assert any(k.startswith("j/") for k in keys), keys  # the job's own store (its sealed names), not another
+        seen = b"".join(neighbour.get(k) for k in keys if not k.startswith(("preemption", "stop")))
         where = [f"{socket.gethostname()} {pid}".encode() for pid, _ in rank_pids(os.getpid(), 2).values()]
         assert not any(w in seen for w in where) and b"inside" not in seen  # liveness: where ranks are, what they do
         assert job.result().code == 0  # (run_forked: it ended normally, not stopped by the neighbour's keys: 75)
