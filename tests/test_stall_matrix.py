@@ -30,8 +30,9 @@ BOUND_S = 30.0  # after --timeout-s (and --excused-timeout-s): the watchdog's in
 EXCUSED_S = 2 * T  # --excused-timeout-s of a job stalled in an excused phase (healthy phases: the default, 4 T)
 
 
-JOBS_AT_ONCE = 3  # the stalled rows' jobs run side by side: most of a job's time is waiting for a stall's report. The
-# slowed parts run beside them, outside this count: their ranks mostly sleep through the slowed units
+JOBS_AT_ONCE = 4  # the matrix's jobs run side by side: most of a job's time is waiting (for a stall's report, the
+# slowed units). The two slowed parts go first and take two places for most of the file: as many stalled rows
+# run beside them as ran beside the one slowed job before (3 jobs at once then, 9 ranks on 2 loaded cores)
 STALL_TEST = "test_a_rank_stalled_at_a_blocking_point_ends_the_job_naming_it"
 SLOW_TESTS = ("test_every_blocking_point_slowed", "test_every_blocking_point_has_a_row")
 
@@ -89,21 +90,19 @@ def _slow(folder, cache, checkpoint, rows, recorded):
 
 @pytest.fixture(scope="module")
 def matrix(tiny_cache, tmp_path_factory, request):
-    """The jobs of this module's selected tests: the checkpointed run first, then the slowed parts
-    (stall_matrix.slow_parts, each its own job, side by side: most of their time is sleeping) beside the stalled
-    rows, JOBS_AT_ONCE of those at a time. {"slow": [(rows, job, stats, record or None)] (empty when no slow test
-    is selected), "stalls": {phase: (job, stalled at, report)}}."""
+    """The jobs of this module's selected tests, JOBS_AT_ONCE at a time: the checkpointed run first, then the slowed
+    parts (stall_matrix.slow_parts), then each stalled row. {"slow": [(rows, job, stats, record or None)] (empty
+    when no slow test is selected), "stalls": {phase: (job, stalled at, report)}}."""
     names = {item.name for item in request.session.items}
     rows = [p for p in sm.ROWS if f"{STALL_TEST}[{p}]" in names]
     slow = any(name.startswith(SLOW_TESTS) for name in names)
     parts = sm.slow_parts() if slow else []
     folder = tmp_path_factory.mktemp("matrix")
     sm.start_forkserver()
-    with concurrent.futures.ThreadPoolExecutor(JOBS_AT_ONCE) as pool, \
-            concurrent.futures.ThreadPoolExecutor(max(1, len(parts))) as slow_pool:
+    with concurrent.futures.ThreadPoolExecutor(JOBS_AT_ONCE) as pool:
         checkpoint = pool.submit(_checkpointed, folder, tiny_cache)  # first: the slow runs and "resume" wait for it
-        slowed = [slow_pool.submit(lambda i=i, part=part: (part, *_slow(folder / f"slow{i}", tiny_cache,
-                                                                        checkpoint.result(), part, i == 0)))
+        slowed = [pool.submit(lambda i=i, part=part: (part, *_slow(folder / f"slow{i}", tiny_cache,
+                                                                   checkpoint.result(), part, i == 0)))
                   for i, part in enumerate(parts)]
         stalls = {p: pool.submit(lambda p=p, i=i: _stall(p, folder / f"row{i}", tiny_cache,
                                                         checkpoint.result() if sm.ROWS[p].resume else None))
