@@ -25,6 +25,7 @@ INJECT = os.path.join(ROOT, "tests", "inject")
 if INJECT not in sys.path:
     sys.path.insert(0, INJECT)
 HOOKS = ("faults", "comm_recorder", "stall_matrix")  # what the ranks import from tests/ (preloaded too)
+WARM = "warm_forkserver"  # preloaded last: the per-process first-use work of every rank, done once (tests/inject)
 
 
 def rank_entry(payload, rank, world, local_rank, master, agent_store, report_silent):
@@ -67,9 +68,9 @@ class Job:
 
 
 def preload() -> tuple[str, ...]:
-    """What the forkserver imports once: main.py, the tiny FLUX pipeline's module, the test hooks."""
+    """What the forkserver imports once: main.py, the tiny FLUX pipeline's module, the test hooks, the warm-up."""
     import models
-    return ("main", models.get_family("flux").pipeline_module, *HOOKS)
+    return ("main", models.get_family("flux").pipeline_module, *HOOKS, WARM)
 
 
 def start_forkserver() -> None:
@@ -244,19 +245,48 @@ ROWS = {
 }
 
 
-# --- the slow half: one run slows every point at once --------------------------------------------------------------
+# --- the slow half: every point slowed, in SLOW_PARTS jobs side by side ----------------------------------------------
 EXCUSED = [p for p, row in ROWS.items() if row.excused]
+# A slowed point adds up to 3 T on its rank, and the points of one rank follow each other: one job slowing all of
+# them took 231 s (2026-12-05), the matrix's longest path by far. So the points are split over two jobs of the same
+# command that run side by side, each slowing its part at once (balanced by the seconds each point added in that
+# one job: ~115 s of delay each; three parts cost a third job's start-up and steps for a path the stalled rows are
+# longer than anyway). A row named in no part is slowed in the last one, so a new row is never left out.
+SLOW_PARTS = (  # a "stay" row goes with the slowed points its long wait comes from (what its peer is doing meanwhile)
+    # start-up, resume, the rollout rank's reward and weights (the leader waits for its fragments meanwhile, and
+    # rank 2 in "command broadcast" for the leader), publishing and evaluation
+    ("connect", "process groups", "align clocks", "load the pipeline", "build the reward", "resume", "wait", "reward",
+     "next publish", "receive weights", "recv", "fragment broadcast", "tag share", "command broadcast", "publish",
+     "eval", "evaluation gather"),
+    # a step's training and its collectives (the rollout rank's sender waits for the trainers meanwhile),
+    # checkpoints and the trace (the rollout rank waits for the trainers' end meanwhile, and rank 2 at the last
+    # barrier for the leader writing the trace), and every row named in no part
+    ("tag", "train", "optimizer", "grad-norm all-reduce", "loss-check all-reduce", "metrics all-reduce", "send",
+     "checkpoint", "write the run directory", "trace gather", "write the trace", "wait for the trainers' end",
+     "last barrier"),
+)
 
 
-def slow_faults(stats: str) -> dict:
-    """Each row's phase slowed on its rank: every unit of progress and every blocking call of the project's own code
-    there waits TIMEOUT_S / 8, until 3 TIMEOUT_S were added; an excused phase waits 3 TIMEOUT_S on entering (inside
-    its patience), a "call" row TIMEOUT_S / 2; publishing goes in 4 KiB buckets (a real model's are many)."""
+def slow_parts() -> list[list[str]]:
+    """The rows of each slowed job: SLOW_PARTS, the last part taking every row named in none (each row once)."""
+    named = [p for part in SLOW_PARTS for p in part]
+    assert len(named) == len(set(named)) and set(named) <= set(ROWS), "SLOW_PARTS names a row twice or no row"
+    return [list(part) for part in SLOW_PARTS[:-1]] + [[*SLOW_PARTS[-1], *(p for p in ROWS if p not in named)]]
+
+
+def slow_faults(stats: str, rows: list[str] | None = None) -> dict:
+    """Each row's phase (of `rows`, default every row) slowed on its rank: every unit of progress and every blocking
+    call of the project's own code there waits TIMEOUT_S / 8, until 3 TIMEOUT_S were added; an excused phase waits
+    3 TIMEOUT_S on entering (inside its patience), a "call" row TIMEOUT_S / 2; publishing goes in 4 KiB buckets (a
+    real model's are many)."""
     phases = {}
     for phase, row in ROWS.items():
+        if rows is not None and phase not in rows:
+            continue
         entry = 3 * TIMEOUT_S if row.excused else TIMEOUT_S / 2 if row.slow == "call" else None
         phases[phase] = {"rank": row.rank, **({"entry_s": entry} if entry else {})}
-    return {"slow": {"unit_s": TIMEOUT_S / 8, "budget_s": 3 * TIMEOUT_S, "phases": phases, "bucket_bytes": 4096},
+    buckets = {"bucket_bytes": 4096} if {"publish", "receive weights"} & set(phases) else {}  # only where slowed
+    return {"slow": {"unit_s": TIMEOUT_S / 8, "budget_s": 3 * TIMEOUT_S, "phases": phases, **buckets},
             "stats": stats}
 
 

@@ -4,8 +4,8 @@ communication contract records (tests/inject/comm_recorder.py: every torch.distr
 the project's own code, with the phase liveness would name; every excused section), a real job of main.py's ranks
 - stalled there on one rank ends within --timeout-s plus a bound (--excused-timeout-s first where the phase
   reports nothing of its own), the report naming the rank and the point;
-- slowed there to several times --timeout-s while it keeps reporting progress finishes (one run slows every
-  point at once).
+- slowed there to several times --timeout-s while it keeps reporting progress finishes (the points split over
+  stall_matrix.SLOW_PARTS: jobs of one command side by side, each slowing its part's points at once).
 A blocking point without its row fails test_every_blocking_point_has_a_row (and tests/test_comm_contract.py checks
 its layouts the same way), so a collective added later gets its row or the suite says so. Plus SIGTERM: a rank
 still starting stops at once, a stuck job after --stop-grace-s.
@@ -30,8 +30,9 @@ BOUND_S = 30.0  # after --timeout-s (and --excused-timeout-s): the watchdog's in
 EXCUSED_S = 2 * T  # --excused-timeout-s of a job stalled in an excused phase (healthy phases: the default, 4 T)
 
 
-JOBS_AT_ONCE = 3  # the matrix's jobs run side by side: most of a job's time is waiting (for a stall's report, the
-# slowed units), and the slow run takes as long as a third of the stall rows
+JOBS_AT_ONCE = 4  # the matrix's jobs run side by side: most of a job's time is waiting (for a stall's report, the
+# slowed units). The two slowed parts go first and take two places for most of the file: as many stalled rows
+# run beside them as ran beside the one slowed job before (3 jobs at once then, 9 ranks on 2 loaded cores)
 STALL_TEST = "test_a_rank_stalled_at_a_blocking_point_ends_the_job_naming_it"
 SLOW_TESTS = ("test_every_blocking_point_slowed", "test_every_blocking_point_has_a_row")
 
@@ -71,36 +72,42 @@ def _stall(phase: str, folder, cache, checkpoint):
     return job, float(mark.read_text()) if mark.exists() else None, report
 
 
-def _slow(folder, cache, checkpoint):
-    """Every row's point slowed at once (stall_matrix.slow_faults) in one job that resumes `checkpoint` for two more
-    steps, with evaluation, checkpoints, the trace and TAG / TCSS at scripted moments; its calls recorded."""
+def _slow(folder, cache, checkpoint, rows, recorded):
+    """The points of `rows` slowed at once (stall_matrix.slow_faults) in a job that resumes `checkpoint` for two more
+    steps, with evaluation, checkpoints, the trace and TAG / TCSS at scripted moments; its calls recorded if
+    `recorded` (every part runs the same command, so one part's record has every point). (job, stats, record or
+    None)."""
     folder.mkdir()
     stats, record = folder / "stats", folder / "calls"
     stats.mkdir(), record.mkdir()
     shutil.copytree(checkpoint, folder / "run")
     args = [*sm.LAYOUTS["fsdp"], *sm.EVAL, *sm.SAVE, *sm.TRACE, "--steps", "3", "--resume", str(folder / "run"),
             "--excused-timeout-s", f"{sm.SLOW_EXCUSED_S:g}", "--timeout-s", f"{T:g}"]
-    job = sm.run_job(args, folder, "run", cache, bound_s=600, faults=sm.slow_faults(str(stats)),
-                     comm_log=str(record), inject=("scripted_schedule",))
-    return job, sm.read_stats(stats), sm.read_record(record)
+    job = sm.run_job(args, folder, "run", cache, bound_s=600, faults=sm.slow_faults(str(stats), rows),
+                     comm_log=str(record) if recorded else None, inject=("scripted_schedule",))
+    return job, sm.read_stats(stats), sm.read_record(record) if recorded else None
 
 
 @pytest.fixture(scope="module")
 def matrix(tiny_cache, tmp_path_factory, request):
-    """The jobs of this module's selected tests, JOBS_AT_ONCE at a time: the slow run first, then each stalled row.
-    {"slow": (job, stats, record) or None, "stalls": {phase: (job, stalled at, report)}}."""
+    """The jobs of this module's selected tests, JOBS_AT_ONCE at a time: the checkpointed run first, then the slowed
+    parts (stall_matrix.slow_parts), then each stalled row. {"slow": [(rows, job, stats, record or None)] (empty
+    when no slow test is selected), "stalls": {phase: (job, stalled at, report)}}."""
     names = {item.name for item in request.session.items}
     rows = [p for p in sm.ROWS if f"{STALL_TEST}[{p}]" in names]
     slow = any(name.startswith(SLOW_TESTS) for name in names)
+    parts = sm.slow_parts() if slow else []
     folder = tmp_path_factory.mktemp("matrix")
     sm.start_forkserver()
     with concurrent.futures.ThreadPoolExecutor(JOBS_AT_ONCE) as pool:
-        checkpoint = pool.submit(_checkpointed, folder, tiny_cache)  # first: the slow run and "resume" wait for it
-        slow_job = pool.submit(lambda: _slow(folder / "slow", tiny_cache, checkpoint.result())) if slow else None
+        checkpoint = pool.submit(_checkpointed, folder, tiny_cache)  # first: the slow runs and "resume" wait for it
+        slowed = [pool.submit(lambda i=i, part=part: (part, *_slow(folder / f"slow{i}", tiny_cache,
+                                                                   checkpoint.result(), part, i == 0)))
+                  for i, part in enumerate(parts)]
         stalls = {p: pool.submit(lambda p=p, i=i: _stall(p, folder / f"row{i}", tiny_cache,
                                                         checkpoint.result() if sm.ROWS[p].resume else None))
                   for i, p in enumerate(rows)}
-        return {"slow": slow_job.result() if slow_job else None, "stalls": {p: f.result() for p, f in stalls.items()}}
+        return {"slow": [f.result() for f in slowed], "stalls": {p: f.result() for p, f in stalls.items()}}
 
 
 @pytest.mark.parametrize("phase", list(sm.ROWS))
@@ -126,20 +133,25 @@ def test_a_rank_stalled_at_a_blocking_point_ends_the_job_naming_it(phase, matrix
 def test_every_blocking_point_slowed_to_several_timeouts_the_job_finishes(matrix):
     """Catches a long phase that reports no progress (issue 38 defect 2: publishing full weights was none, and a
     healthy job publishing for 3 x --timeout-s was killed "inside publish"), an excuse that is too short, a wait
-    with a deadline: every point slowed at once, on its row's rank (a unit never longer than T / 8, many of them),
-    and the job must finish. Each "stay" row's rank, or a peer waiting for it, stayed 3 T at a time in the point;
+    with a deadline: every point slowed, on its row's rank (a unit never longer than T / 8, many of them), at once
+    with the other points of its part (stall_matrix.SLOW_PARTS), and each part's job must finish. Each "stay" row's rank, or a peer waiting for it, stayed 3 T at a time in the point;
     each "total" row's phase 3 T over the run; each "call" row was slowed by T / 2."""
-    job, stats, _ = matrix["slow"]
-    assert job.code == 0, f"the slowed job failed ({job.took_s:.0f} s):\n{job.log[-5000:]}"
-    table = "\n".join(f"{phase:28} " + "  ".join(
-        f"r{r}: {s[phase]['longest_s']:5.1f} {s[phase]['total_s']:6.1f} +{s[phase]['added_s']:4.1f}"
-        if phase in s else f"r{r}:  -" for r, s in sorted(stats.items()))
-        for phase in sorted({p for s in stats.values() for p in s}))
+    assert sorted(p for part, *_ in matrix["slow"] for p in part) == sorted(sm.ROWS)  # each row in one part
+    tables, stats_of = [], {}
+    for part, job, stats, _ in matrix["slow"]:
+        assert job.code == 0, f"the slowed job of {part} failed ({job.took_s:.0f} s):\n{job.log[-5000:]}"
+        tables.append(f"slowed: {', '.join(part)} ({job.took_s:.0f} s)\n" + "\n".join(f"{phase:28} " + "  ".join(
+            f"r{r}: {s[phase]['longest_s']:5.1f} {s[phase]['total_s']:6.1f} +{s[phase]['added_s']:4.1f}"
+            if phase in s else f"r{r}:  -" for r, s in sorted(stats.items()))
+            for phase in sorted({p for s in stats.values() for p in s})))
+        stats_of.update({phase: stats for phase in part})  # each row's point is judged in the job that slowed it
+    table = "\n".join(tables)
     print(table)
     short = []
     for phase, row in sm.ROWS.items():
         if row.layout != "fsdp":
             continue
+        stats = stats_of[phase]
         seen = [s[phase] for s in stats.values() if phase in s]
         mine = stats[row.rank].get(phase, {})
         if row.slow == "stay":
@@ -160,7 +172,7 @@ def test_every_blocking_point_has_a_row(matrix):
     blocking call outside any named phase (a stall there would be reported as "outside any named phase"): the
     points of the slow run's record, every rank and thread (tests/test_comm_contract.py checks its layouts the
     same way)."""
-    points, unnamed = sm.blocking_points(matrix["slow"][2])
+    points, unnamed = sm.blocking_points(matrix["slow"][0][3])  # the recorded part's (every part: one command)
     assert not unnamed, f"blocking calls outside any named phase: {unnamed}"
     missing = {p: what for p, what in points.items() if p not in sm.ROWS}
     assert not missing, f"blocking points without a row in tests/stall_matrix.py ROWS: {missing}"

@@ -510,51 +510,51 @@ def store_port(launcher_pid: int) -> int:
     return ports[0]
 
 
-def test_a_neighbour_cannot_steer_the_job_through_its_store_and_a_resume_redoes_steps_once(tiny_cache, tmp_path):
+def test_a_neighbour_cannot_steer_the_job_through_its_store_and_a_resume_redoes_steps_once(tiny_cache, tmp_path,
+                                                                                           capsys):
     """A second process on the host connects to a running job's store. It used to read every key (hosts, pids,
     claims) and stop the job by writing `preemption/stop/asked` (exit 75); it now sees opaque names and sealed
     values, and its writes under the job's old names are never read: the job ends normally. Then, with the last
     checkpoint gone (a job killed after logging steps it never checkpointed), `--dry-run --resume` works (it was
-    refused) and the resumed run's TensorBoard shows each redone step once (it showed them twice)."""
+    refused) and the resumed run's TensorBoard shows each redone step once (it showed them twice). The jobs are
+    main.py's, launched from this process as main.py launches them (conftest.run_forked: this process holds the
+    store's listening socket, its forkserver's children are the ranks); the dry run is main.main here (it starts
+    nothing)."""
+    import concurrent.futures
     import datetime
     import shutil
-    import signal
     import socket
-    import subprocess
-    import sys
 
     import torch.distributed as dist
-    from conftest import ROOT, rank_pids, read_metrics, run_main
+    import main
+    from conftest import rank_pids, read_metrics, run_forked
     pytest.importorskip("tensorboard")  # --tensorboard: requirements-extras.txt
     args = ["--mode", "digenrl", "--prompts-per-step", "2", "--group-size", "2", "--num-steps", "3", "--eval-every",
             "0", "--timeout-s", "60", "--no-trace", "--steps", "6", "--save-every", "2", "--tensorboard"]
-    env = dict(os.environ, DIGENRL_CACHE=tiny_cache, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     run = tmp_path / "job"
-    with open(tmp_path / "job.log", "w") as log:
-        proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "main.py"), *args, "--run-name", "job",
-                                 "--out-dir", str(tmp_path), "--no-progress", "--threads", "1"], cwd=ROOT, env=env,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    with concurrent.futures.ThreadPoolExecutor(1) as launcher:
+        job = launcher.submit(run_forked, args, tmp_path, "job", tiny_cache, bound_s=300)
         while not (run / "metrics.jsonl").exists():  # the ranks are in their loops
-            assert proc.poll() is None, (tmp_path / "job.log").read_text()[-3000:]
+            assert not job.done(), job.exception() or (tmp_path / "job.log").read_text()[-3000:]
             time.sleep(0.05)
-        neighbour = dist.TCPStore("127.0.0.1", store_port(proc.pid), is_master=False, wait_for_workers=False,
+        neighbour = dist.TCPStore("127.0.0.1", store_port(os.getpid()), is_master=False, wait_for_workers=False,
                                   timeout=datetime.timedelta(seconds=30))
         for key in ("preemption/stop/asked", "stop/asked", "preemption/stop/done"):
             neighbour.set(key, "0")
-        seen = b"".join(neighbour.get(k) for k in neighbour.list_keys() if not k.startswith(("preemption", "stop")))
-        where = [f"{socket.gethostname()} {pid}".encode() for pid, _ in rank_pids(proc.pid, 2).values()]
+        keys = neighbour.list_keys()
+        assert any(k.startswith("j/") for k in keys), keys  # the job's own store (its sealed names), not another
+        seen = b"".join(neighbour.get(k) for k in keys if not k.startswith(("preemption", "stop")))
+        where = [f"{socket.gethostname()} {pid}".encode() for pid, _ in rank_pids(os.getpid(), 2).values()]
         assert not any(w in seen for w in where) and b"inside" not in seen  # liveness: where ranks are, what they do
-        assert proc.wait(300) == 0, (tmp_path / "job.log").read_text()[-3000:]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        assert job.result().code == 0  # (run_forked: it ended normally, not stopped by the neighbour's keys: 75)
     assert [r["step"] for r in read_metrics(run)] == list(range(6))
     shutil.rmtree(run / "checkpoints" / "step_000006")  # steps 4 and 5 logged, their checkpoint lost
-    dry = run_main(["--resume", str(run), "--dry-run"], tmp_path, tiny_cache)
-    assert "dry run, nothing started" in dry.stdout and not (run / ".lock").read_text()
-    resumed = run_main(["--resume", str(run)], tmp_path, tiny_cache)
-    assert "resumed from step 4 " in resumed.stdout and "steps 4-5 were logged after that checkpoint" in resumed.stdout
+    capsys.readouterr()
+    assert main.main(["--resume", str(run), "--dry-run", "--out-dir", str(tmp_path), "--no-progress", "--threads",
+                      "1"]) == 0, capsys.readouterr().err[-3000:]
+    assert "dry run, nothing started" in capsys.readouterr().out and not (run / ".lock").read_text()
+    resumed = run_forked(["--resume", str(run)], tmp_path, "resumed", tiny_cache).log
+    assert "resumed from step 4 " in resumed and "steps 4-5 were logged after that checkpoint" in resumed, resumed
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     events = EventAccumulator(str(run / "tensorboard")).Reload()
     assert [e.step for e in events.Scalars("reward_mean")] == list(range(6))
