@@ -1,5 +1,6 @@
 """tools/plan.py: its commands pass cli.validate, its memory filter rejects what does not fit, and its best
 configuration is never slower under the simulator than a fixed default one."""
+import functools
 import shlex
 
 import pytest
@@ -17,6 +18,12 @@ FAMILIES = ("flux", "qwenimage", "wan", "hunyuanvideo")
 
 def _problem(family, gpus=16, **kw):
     return plan.Problem(plan_memory.settings(family)[0], family, gpus, **kw)
+
+
+@functools.lru_cache(maxsize=None)
+def _best(family: str):
+    """plan.best(_problem(family), top=1), searched once per family for the tests that read it (seconds each)."""
+    return plan.best(_problem(family), top=1)
 
 
 def _main_args(command: str) -> tuple[list[str], int]:
@@ -37,7 +44,7 @@ def test_printed_command_passes_config_validate(family, tiny_cache):
     fragments; TAG claims whole groups, split by trajectories: simulate.py's "group-claims", not the what-if
     "trajectories" of unaligned rollout claims)."""
     p = _problem(family)
-    plans, _ = plan.best(p, top=1)
+    plans, _ = _best(family)
     c = plans[0].candidate
     args, world = _main_args(plan.command(p, c))
     assert world == 16
@@ -95,7 +102,7 @@ def test_best_plan_is_not_slower_than_a_fixed_baseline(family):
     """Catches a search that returns a worse configuration than the runtime's default one (R = K = 8, fragments of
     one group, the model's pack, TAG and j = R), e.g. a sort in the wrong order or a stage that drops the best R."""
     p = _problem(family)
-    best = plan.best(p, top=1)[0][0]
+    best = _best(family)[0][0]
     pack = plan.paper_settings()["models"][p.label]["pack"]
     base = plan.Candidate(8, 1, pack, True, 8)
     assert plan.admissible(p, base, plan_memory.load())[0]
@@ -108,7 +115,7 @@ def test_paper_scale_digenrl_row_is_the_plans():
     print different step times for the same model and cluster)."""
     from tools import paper_scale
     case = paper_scale.run_case("FLUX.1-dev-12B 512px", 16, paper_scale.paper_settings())
-    best = plan.best(_problem("flux"), top=1)[0][0]
+    best = _best("flux")[0][0]
     row = next(r for r in case["reports"] if r.mode == "digenrl")
     assert case["plan"] == best.candidate and row.step_s == pytest.approx(best.report.step_s)
     assert case["command"] == plan.command(_problem("flux"), best.candidate)
