@@ -26,26 +26,27 @@ os.environ.setdefault("XDG_CONFIG_HOME", os.path.join(tempfile.gettempdir(), f"d
 # for the end, so both workers finish within about one short file of each other. The seconds are estimates for 2
 # idle cores (2026-12-04, from the slowest tests of a whole run and loaded runs of single files): only their order
 # counts; refine them from a `--durations=0` run. A file not listed goes after these, in xdist's own order.
-SLOW_FILES_S = {  # a whole run, 2026-12-04 late (`--durations=0`, summed per file)
-    "test_run_life.py": 290,
-    "test_stall_matrix.py": 190,  # the matrix fixture ~150 s, + the slowed run alone
-    "test_course.py": 75,
-    "test_rehearse.py": 135,  # the FSDP hand check 110 s
-    "test_liveness.py": 125,
-    "test_memory.py": 80,
-    "test_placements.py": 110,  # 20 jobs (run_forked) and the plain objective's autograd, in process
-    "test_resume_scale.py": 90,
-    "test_pretrain.py": 80,  # the demo's 80 steps
-    "test_reliability.py": 75,
-    "test_cli.py": 70,
-    "test_untrusted.py": 35,
-    "test_family_rl.py": 60,
-    "test_compat_remote.py": 40,
-    "test_multinode.py": 60,
-    "test_ports.py": 20,
-    "test_compat_lora.py": 55,
-    "test_plan.py": 50,
-    "test_failure_paths.py": 40,
+SLOW_FILES_S = {  # a whole run, 2026-12-05 (`--durations=0`, summed per file)
+    "test_run_life.py": 270,
+    "test_stall_matrix.py": 205,
+    "test_liveness.py": 160,
+    "test_rehearse.py": 160,
+    "test_placements.py": 120,
+    "test_pretrain.py": 100,
+    "test_plan.py": 80,
+    "test_cli.py": 80,
+    "test_memory.py": 75,
+    "test_multinode.py": 70,
+    "test_family_rl.py": 70,
+    "test_course.py": 65,
+    "test_families.py": 50,
+    "test_compat_lora.py": 50,
+    "test_resume_scale.py": 45,
+    "test_reliability.py": 45,
+    "test_flow_grpo_recipes.py": 40,
+    "test_failure_paths.py": 35,
+    "test_flow_grpo_step.py": 30,
+    "test_comm_contract.py": 25,
 }
 
 
