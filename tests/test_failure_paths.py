@@ -13,12 +13,9 @@ step). The rollout loop is the same code in every disaggregated mode (naive, gap
 digenrl); what changes its control flow is TCSS (the stale budget: generate-ahead between a step's last
 claim and the next weights), so each fault runs with and without it, and the sender's with one or two
 fragments per step (the failed send is the step's last, with or without a fragment sent before it). One real
-`main.py` run checks that the launcher reports the sender's error, naming the rank.
+job (main.py's ranks, the launcher in the test process) checks that the launcher reports the sender's error,
+naming the rank.
 """
-import os
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -29,7 +26,6 @@ import gap
 import main
 import async_policy
 import transport
-from conftest import ROOT
 from fragment import Fragment
 
 pytestmark = pytest.mark.timeout(120)
@@ -115,26 +111,21 @@ def test_a_failing_thread_ends_the_rollout_main_thread_with_its_name(case):
     assert report.value.startswith("RuntimeError: " + message), report.value[:2000]
 
 
-def test_a_failing_sender_ends_a_real_job_with_a_message_naming_it(tiny_cache, tmp_path):
-    """main.py, the sender's first send made to raise in the rollout rank (tests/inject: DIGENRL_TEST_INJECT=
-    fail_sender): the launcher names the rank and the sender's error. The naive mode with one fragment per step:
-    the failed send is the step's last, and the rollout's main thread next waits for weights that never come
-    (the old code hung there; TCSS's path is in the harness cases above). Liveness is given 600 s, so only the
-    error path can end the job within the test's 90 s."""
-    path = os.pathsep.join([os.path.join(ROOT, "tests", "inject"), ROOT, os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, DIGENRL_CACHE=tiny_cache, OMP_NUM_THREADS="1", DIGENRL_TEST_INJECT="fail_sender",
-               PYTHONPATH=path)
-    cmd = [sys.executable, os.path.join(ROOT, "main.py"), "--mode", "naive", "--steps", "3", "--prompts-per-step", "2",
-           "--group-size", "2", "--num-steps", "3", "--fragment-groups", "2", "--eval-every", "0", "--save-every", "0",
-           "--timeout-s", "600", "--no-trace", "--out-dir", str(tmp_path), "--run-name", "job", "--no-progress",
-           "--threads", "1"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own process group: a hang is ended with every rank
-    try:
-        _, err = proc.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise AssertionError("the job hung: the sender's error never reached the rollout's main thread") from None
-    assert proc.returncode != 0, err[-2000:]
+def test_a_failing_sender_ends_a_real_job_with_a_message_naming_it(tiny_cache, tmp_path, capfd):
+    """A real job, the sender's first send made to raise in the rollout rank (tests/inject/fail_sender.py): the
+    launcher names the rank and the sender's error. The naive mode with one fragment per step: the failed send is
+    the step's last, and the rollout's main thread next waits for weights that never come (the old code hung
+    there; TCSS's path is in the harness cases above). Liveness is given 600 s, so only the error path can end the
+    job within the test's 90 s. The launcher runs in this process (stall_matrix.run_job, the ranks forked from
+    this worker's forkserver)."""
+    import stall_matrix
+
+    job = stall_matrix.run_job(["--mode", "naive", "--steps", "3", "--prompts-per-step", "2", "--group-size", "2",
+                                "--num-steps", "3", "--fragment-groups", "2", "--eval-every", "0", "--save-every",
+                                "0", "--timeout-s", "600", "--no-trace"], tmp_path, "job", tiny_cache, bound_s=90,
+                               inject=("fail_sender",))
+    assert not job.killed_by_test, ("the job hung: the sender's error never reached the rollout's main thread",
+                                    job.log[-3000:])
+    err = capfd.readouterr().err
+    assert job.code != 0, err[-2000:]
     assert "rank 0 (rollout) failed: RuntimeError: fragment sender failed: injected" in err, err[-3000:]
