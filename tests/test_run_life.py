@@ -30,6 +30,7 @@ pytestmark = pytest.mark.timeout(300)
 TINY = ["--prompts-per-step", "2", "--group-size", "2", "--num-steps", "3", "--eval-every", "0", "--timeout-s", "60",
         "--no-trace", "--seed", "3"]
 DEAD_WITHIN_S = 15.0
+STOPPED_WITHIN_S = 60.0  # after SIGTERM (stop after the step with a checkpoint); the checks after it say how it ended
 
 
 def start(args, name, folder, cache, torchrun: int = 0) -> subprocess.Popen:
@@ -112,7 +113,10 @@ def test_stopping_the_launcher_leaves_no_rank_alive(how, sig, tiny_cache, tmp_pa
             writing = [p for p in writing if alive(p)]
             os.close(took_over.fd)  # gone as a killed job goes: its name stays, and --resume below takes it over
             assert writing == [], f"the lock was free while ranks {writing} of the killed job were alive"
-        assert wait_all_dead(pids) == [], f"ranks alive {DEAD_WITHIN_S} s after {sig.name}:\n{log_of(tmp_path, name)}"
+        # SIGTERM: the current step, the stop's checkpoint and the shutdown first (2.7-3.7 s on a quiet machine;
+        # over 15 s once on 2 loaded cores, where the job's first step took 14 s): bounded far below the 500 steps
+        bound = DEAD_WITHIN_S if sig == signal.SIGKILL else STOPPED_WITHIN_S
+        assert wait_all_dead(pids, bound) == [], f"ranks alive {bound} s after {sig.name}:\n{log_of(tmp_path, name)}"
         code = proc.wait(30)
     finally:
         if proc.poll() is None:
