@@ -100,6 +100,14 @@ def shipped_pipeline_path(name: str) -> str | None:
     return path if ok else None
 
 
+def tiny_pipeline_cache_path(name: str, variant: str, cache_dir: str | None = None) -> str:
+    """Where tiny_pipeline_path builds (or finds) the tiny pipeline of `name` and pre-training `variant`."""
+    # v3: pre-trained on synthetic images (faint caption match, wider video models); bump whenever what
+    # build_tiny makes changes.
+    suffix = "" if variant == "full" else f"-{variant}"
+    return os.path.join(cache_dir or default_cache_dir(), f"tiny-{name}-v3{suffix}")
+
+
 def tiny_pipeline_path(name: str, cache_dir: str | None = None) -> str:
     """Build the tiny pipeline of a family once into the cache folder; return its path.
 
@@ -111,10 +119,7 @@ def tiny_pipeline_path(name: str, cache_dir: str | None = None) -> str:
     variant = pretrain.variant_from_env()
     if variant == "full" and name in SHIPPED and (shipped := shipped_pipeline_path(name)):
         return shipped
-    # v3: pre-trained on synthetic images (faint caption match, wider video models); bump whenever what
-    # build_tiny makes changes.
-    suffix = "" if variant == "full" else f"-{variant}"
-    path = os.path.join(cache_dir or default_cache_dir(), f"tiny-{name}-v3{suffix}")
+    path = tiny_pipeline_cache_path(name, variant, cache_dir)
     if os.path.isfile(os.path.join(path, "model_index.json")):
         return path
     import fcntl  # here: POSIX only, as infra/runlock.py; the cached path above needs none

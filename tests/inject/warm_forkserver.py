@@ -25,7 +25,7 @@ def _warm_load() -> None:
     name, variant = "flux", pretrain.variant_from_env()
     if variant == "full":
         return  # the shipped demo pipeline: not what the tests' jobs load
-    path = os.path.join(models.default_cache_dir(), f"tiny-{name}-v3-{variant}")  # models.tiny_pipeline_path's
+    path = models.tiny_pipeline_cache_path(name, variant)  # where the jobs' tiny_pipeline_path finds it
     if not os.path.isfile(os.path.join(path, "model_index.json")):
         return
     threads = torch.get_num_threads()
