@@ -190,6 +190,25 @@ def main_module() -> str | None:
     return os.path.basename(path)[:-3] if on_path else None
 
 
+def start_forkserver(preload: tuple[str, ...]) -> None:
+    """This process's forkserver (started once: a running one keeps what it imported), importing the SIGTERM guard
+    (infra/rank_server.py) and then `preload`, with this process's sys.path. Python 3.11's forkserver drops the
+    sys_path it is handed and swallows a preload's ImportError: run from another folder (`python /path/main.py`)
+    it imported neither main.py nor the guard, and every rank imported torch and diffusers itself."""
+    from multiprocessing import forkserver
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(["infra.rank_server", *preload])
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p or os.getcwd()) for p in sys.path)
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+
+
 def launch(target, payload, nproc: int, role_of: Callable[[int], str], threads: int = 1,
            start_method: str = "spawn", preload: tuple[str, ...] = (), held_fd: int | None = None) -> int:
     """Spawn `nproc` ranks running target(payload, rank, world, local_rank, master, agent_store, report_silent);
@@ -200,7 +219,7 @@ def launch(target, payload, nproc: int, role_of: Callable[[int], str], threads: 
     a descriptor every rank keeps open until it exits (the run lock's)."""
     ctx = multiprocessing.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["infra.rank_server", *preload])  # the guard first: SIGTERM ignored throughout
+        start_forkserver(preload)
     listener = listening_socket()  # held until rank 0's store serves on it
     master = (HOST, listener.getsockname()[1])
     failures = ctx.SimpleQueue()

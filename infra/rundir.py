@@ -184,6 +184,7 @@ class RunDir:
         atomic_write(os.path.join(path, "config.json"), lambda p: open(p, "w").write(config_json))
         self.metrics_path = os.path.join(path, "metrics.jsonl")
         self.tb = self.wandb = None
+        self.drawn = None  # (rows, last row) when reward_curve.png was last drawn
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(os.path.join(path, "tensorboard"), purge_step=first_step or None)
@@ -240,8 +241,12 @@ class RunDir:
         atomic_write(self.metrics_path, lambda p: open(p, "w").write("".join(json.dumps(r) + "\n" for r in rows)))
 
     def plot_rewards(self) -> None:
+        """reward_curve.png from metrics.jsonl, unless no row was logged since this RunDir last drew it (the end
+        of a run after a checkpoint's drawing)."""
         rows = self.read_metrics()
-        if rows:
+        drawn = (len(rows), rows[-1] if rows else None)
+        if rows and drawn != self.drawn:
+            self.drawn = drawn
             plot_reward_curves({"": rows}, os.path.join(self.path, "reward_curve.png"), eval_too=True)
             # A closed figure is cyclic garbage, and with a rank's ~500k long-lived objects Python runs a full
             # collection only every ~100 plots: the leader's RSS crept ~0.8 MB per checkpoint (soak.py). ~0.2 s.

@@ -13,7 +13,6 @@ import dataclasses
 import functools
 import importlib
 import json
-import multiprocessing
 import os
 import signal
 import sys
@@ -76,10 +75,8 @@ def preload() -> tuple[str, ...]:
 def start_forkserver() -> None:
     """The forkserver every job's ranks are forked from, importing main.py and the pipeline once (if another test
     of this process started it already, its ranks import what it lacks themselves: slower, same result)."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["infra.rank_server", *preload()])
-    from multiprocessing import forkserver
-    forkserver.ensure_running()
+    from infra.launch import start_forkserver
+    start_forkserver(preload())
 
 
 def run_job(args: list[str], folder, name: str, cache: str, bound_s: float, faults: dict | None = None,

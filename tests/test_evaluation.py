@@ -92,6 +92,24 @@ def test_reward_curve_points_and_legend(tmp_path):
     assert (tmp_path / "curve.png").stat().st_size > 1000
 
 
+def test_the_reward_curve_is_drawn_again_only_when_a_row_was_logged(tmp_path, monkeypatch):
+    """A checkpoint draws the curve and the end of the run drew the same one again (~0.45 s of CPU each): it is
+    redrawn only after a new row, and a resumed run's first drawing happens (a new RunDir has drawn nothing)."""
+    drawn = []
+    monkeypatch.setattr(rundir, "plot_reward_curves", lambda runs, path, **kw: drawn.append(len(runs[""])))
+    run = rundir.RunDir(str(tmp_path / "run"), "{}")
+    run.plot_rewards()  # no rows yet: nothing to draw
+    run.log(0, {"reward_mean": 0.1})
+    run.plot_rewards()
+    run.plot_rewards()
+    run.log(1, {"reward_mean": 0.2})
+    run.plot_rewards()
+    run.close()
+    again = rundir.RunDir(str(tmp_path / "run"), "{}")
+    again.plot_rewards()
+    assert drawn == [1, 2, 2]
+
+
 def test_evaluation_settings_apart_from_training(policy, monkeypatch):
     """Catches --eval-guidance ignored or leaking into training (issue 24): the evaluator sets it on the policy
     only while it samples, and --eval-num-steps reaches the evaluation's sampler while training keeps --num-steps."""

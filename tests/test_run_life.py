@@ -319,3 +319,35 @@ def test_cpu_ranks_are_forked_from_a_forkserver_that_imported_their_pipeline():
         with open(source) as f:  # where the class is defined, as its __module__ would name it
             assert re.search(rf"^class {family.pipeline_class_name}\(", f.read(), re.MULTILINE), (name, source)
     assert main_module() is None  # pytest's __main__ is not a script folder's module
+
+
+PROBE = '''
+import os
+IMPORTED_BY = os.getpid()
+
+
+def rank(payload, rank, world, local_rank, master, agent_store, report_silent):
+    """Fails unless this module came with the fork (imported once, in the forkserver), not imported by this rank."""
+    if IMPORTED_BY == os.getpid():
+        raise SystemExit(f"rank {rank}: the forkserver's preload missed {__name__}: the rank imported it itself")
+    return 0
+'''
+
+
+def test_the_forkserver_preloads_modules_found_through_the_launchers_sys_path(tmp_path):
+    """main.py run from another folder (`python /path/to/main.py`): its folder is on the launcher's sys.path, not the
+    forkserver's (Python 3.11's forkserver drops the sys_path it is handed, and a missing preload is an ImportError
+    it swallows), so every rank imported main.py, torch and diffusers itself; the tests' forkserver missed its hooks
+    and warm-up the same way. A fresh interpreter: a forkserver already running in this worker keeps its imports."""
+    scripts, elsewhere = tmp_path / "scripts", tmp_path / "elsewhere"
+    scripts.mkdir()
+    elsewhere.mkdir()
+    (scripts / "probe_preload.py").write_text(PROBE)
+    code = (f"import sys; sys.path[:0] = [{str(scripts)!r}, {ROOT!r}]\n"
+            "from infra.launch import launch\n"
+            "import probe_preload\n"
+            "sys.exit(launch(probe_preload.rank, {}, 2, role_of=lambda r: 'rank', start_method='forkserver',\n"
+            "               preload=('probe_preload',)))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=""))
+    assert proc.returncode == 0, proc.stderr[-3000:]
