@@ -14,6 +14,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # cache folder, tiny-<model>-v3-quick), and tests/test_pretrain.py builds the full demo pipeline itself. Ranks
 # spawned by run_main inherit this, so they load the same pipelines.
 os.environ.setdefault("DIGENRL_TINY_PRETRAIN", "quick")
+# One torch thread in a test process (set before anything imports torch; its ranks and tools inherit it): the README's
+# command runs two workers on two cores, and a second OpenMP thread in each only spins while the other worker
+# computes. Four in-process files alone on a quiet machine: 73.6 s of CPU and 65.7 s on two threads, 60.8 s and
+# 62.6 s on one (2026-12-05).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # torchrun ranks without DIGENRL_JOB_SECRET derive the job store's secret from $XDG_CONFIG_HOME/digenrl/store_secret
 # (infra/jobstore.py): the tests' own, not the home folder's.
 os.environ.setdefault("XDG_CONFIG_HOME", os.path.join(tempfile.gettempdir(), f"digenrl-tests-{os.getuid()}"))
