@@ -31,27 +31,27 @@ os.environ.setdefault("XDG_CONFIG_HOME", os.path.join(tempfile.gettempdir(), f"d
 # for the end, so both workers finish within about one short file of each other. The seconds are estimates for 2
 # idle cores (2026-12-04, from the slowest tests of a whole run and loaded runs of single files): only their order
 # counts; refine them from a `--durations=0` run. A file not listed goes after these, in xdist's own order.
-SLOW_FILES_S = {  # a whole run, 2026-12-05 (`--durations=0`, summed per file)
-    "test_run_life.py": 270,
-    "test_stall_matrix.py": 205,
-    "test_liveness.py": 160,
-    "test_rehearse.py": 160,
-    "test_placements.py": 120,
+SLOW_FILES_S = {  # a whole run, 2026-12-05 at f36058f (`--durations=0`, summed per file)
+    "test_run_life.py": 290,
+    "test_stall_matrix.py": 180,
+    "test_rehearse.py": 155,
+    "test_liveness.py": 120,
     "test_pretrain.py": 100,
-    "test_plan.py": 80,
-    "test_cli.py": 80,
-    "test_memory.py": 75,
-    "test_multinode.py": 70,
-    "test_family_rl.py": 70,
-    "test_course.py": 65,
-    "test_families.py": 50,
+    "test_placements.py": 85,
+    "test_course.py": 85,
+    "test_plan.py": 70,
+    "test_multinode.py": 60,
+    "test_memory.py": 60,
     "test_compat_lora.py": 50,
     "test_resume_scale.py": 45,
-    "test_reliability.py": 45,
-    "test_flow_grpo_recipes.py": 40,
-    "test_failure_paths.py": 35,
-    "test_flow_grpo_step.py": 30,
-    "test_comm_contract.py": 25,
+    "test_reliability.py": 40,
+    "test_cli.py": 40,
+    "test_families.py": 35,
+    "test_family_rl.py": 35,
+    "test_flow_grpo_recipes.py": 30,
+    "test_mechanism_demos.py": 15,
+    "test_comm_contract.py": 15,
+    "test_untrusted.py": 15,
 }
 
 

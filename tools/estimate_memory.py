@@ -49,6 +49,7 @@ from fragment import Fragment  # noqa: E402
 from infra.fsdp import shard_for_fsdp  # noqa: E402
 from trainer import TrainConfig, Trainer  # noqa: E402
 from tools.real_models import FAMILIES  # noqa: E402
+from tools.rehearsal import tensors  # noqa: E402
 from tsp import gather_pairs  # noqa: E402
 
 GIB = 2**30
@@ -364,35 +365,6 @@ def _both_roles(args, compute) -> tuple:
     return rollout, train, ckpt
 
 
-@contextlib.contextmanager
-def sharding_propagation_apart():
-    """DTensor finds an op's output shape by running it on fake copies of its arguments at their GLOBAL shape
-    (torch.distributed.tensor._sharding_prop, `_propagate_tensor_meta_non_cached`), in whatever FakeTensorMode is
-    active. On a GPU that is a FakeTensorMode of its own and holds no memory (the trackers skip it); under the
-    estimate's FakeTensorMode it is the estimate's own, so the trackers counted those copies: every AdamW step on
-    FSDP2 shards counted a whole-model copy of the weights, gradients and both moments (FLUX full fine-tuning at
-    K = 8: 231 GiB per trainer, issue 38 defect 4), gradient clipping a copy of the gradients. Inside this block
-    the propagation runs in a FakeTensorMode of its own (one per thread), as it does on a GPU."""
-    import threading
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.tensor import _sharding_prop
-
-    modes = threading.local()
-
-    def own_mode():
-        if not hasattr(modes, "mode"):
-            modes.mode = FakeTensorMode(allow_non_fake_inputs=True)
-        return modes.mode
-
-    original = _sharding_prop.detect_fake_mode
-    _sharding_prop.detect_fake_mode = lambda *args, **kwargs: own_mode()
-    try:
-        yield
-    finally:
-        _sharding_prop.detect_fake_mode = original
-
-
 def estimate(args) -> dict:
     """Both roles of one configuration: GiB by role and whether each fits."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -403,7 +375,7 @@ def estimate(args) -> dict:
     compute = _init_world(args, "fake", FakeStore())
     others = sum(FAMILIES[args.model]["others"].values()) * 2  # bf16, whole on every rank
     # allow_non_fake_inputs: the policy's empty-prompt encoding is a real tensor
-    with FakeTensorMode(allow_non_fake_inputs=True), sharding_propagation_apart():
+    with FakeTensorMode(allow_non_fake_inputs=True), tensors.sharding_propagation_apart():
         rollout, train, ckpt = _both_roles(args, compute)
     states = _part(train["after_step"], "PARAM", "GRAD", "OPT", "SHARDED_PARAM", "SHARDED_GRAD") \
         + train["reference_bytes"]

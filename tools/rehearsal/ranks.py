@@ -557,8 +557,15 @@ def run_job(job: Job, stall_s: float = groups.STALL_S) -> dict[int, RankContext]
 
     threads = [threading.Thread(target=body, args=(p,), name=f"rank{p.rank}", daemon=True)
                for p in job.positions]
-    for t in threads:
-        t.start()
+    with tensors.sharding_propagation_apart():  # DTensor's shape inference holds no GPU memory
+        for t in threads:
+            t.start()
+        _watch(job, threads, stall_s)
+    return results
+
+
+def _watch(job: Job, threads: list[threading.Thread], stall_s: float) -> None:
+    """Until every rank's thread ended, one failed or none moved for `stall_s` (a deadlock)."""
     while any(t.is_alive() for t in threads):
         time.sleep(1.0)
         if job.exchange.failed is not None:
@@ -573,4 +580,3 @@ def run_job(job: Job, stall_s: float = groups.STALL_S) -> dict[int, RankContext]
             break
     for t in threads:
         t.join(timeout=5.0 if job.exchange.failed is not None else None)
-    return results

@@ -387,3 +387,30 @@ class Holdings:
             self._note_peak()
             for kind, value in extra.items():
                 self.live[kind] -= value
+
+
+@contextlib.contextmanager
+def sharding_propagation_apart():
+    """DTensor finds an op's output shape by running it on fake copies of its arguments at their GLOBAL shape
+    (torch.distributed.tensor._sharding_prop, `_propagate_tensor_meta_non_cached`), in whatever FakeTensorMode is
+    active. On a GPU that is a FakeTensorMode of its own and holds no memory; under a rehearsed rank's mode (or
+    tools/estimate_memory.py's) it was that mode, so those copies were counted: every AdamW step on FSDP2 shards
+    a whole-model copy of the weights, gradients and both moments (FLUX full fine-tuning at K = 8: 231 GiB per
+    trainer in the estimate, issue 38 defect 4), gradient clipping a copy of each gradient. Inside this block the
+    propagation runs in a FakeTensorMode of its own (one per thread: a rehearsal's ranks are threads), as on a
+    GPU."""
+    from torch.distributed.tensor import _sharding_prop
+
+    modes = threading.local()
+
+    def own_mode(*args, **kwargs):
+        if not hasattr(modes, "mode"):
+            modes.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        return modes.mode
+
+    original = _sharding_prop.detect_fake_mode
+    _sharding_prop.detect_fake_mode = own_mode
+    try:
+        yield
+    finally:
+        _sharding_prop.detect_fake_mode = original
