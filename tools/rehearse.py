@@ -306,14 +306,28 @@ def table(path: str, models: list[str], extra: list[str]) -> int:
 
 
 # what the rehearsal counts: 2 since an op that is one kernel on the device holds only its outputs
-# (tensors._fused); rows of version 1 count decomposition temporaries too (their peaks run high)
-ACCOUNTING = 2
+# (tensors._fused); rows of version 1 count decomposition temporaries too (their peaks run high);
+# 3 since DTensor's shape inference runs in a fake mode of its own (tensors.sharding_propagation_apart):
+# FSDP rows of version 2 count its global-size copies (clipping and the optimizer step run high)
+ACCOUNTING = 3
+MARKS = {"(*)": "rehearsed before a fused kernel counted only its outputs: the peaks include\n"
+                "temporaries of torch's Python decompositions and run high",
+         "(**)": "rehearsed before DTensor's shape inference ran apart: the trainer's peak includes\n"
+                 "global-size copies no GPU holds and runs high"}
 
 
 def _accounting(row: dict) -> int:
     """A row's ACCOUNTING (rows from before the field: 2 when they carry their commit, which rows
     have since the change, else 1)."""
     return row.get("accounting", 2 if "code" in row else 1)
+
+
+def _mark(key: str, row: dict) -> str:
+    """"(*)" or "(**)" (MARKS) for a row whose figures an accounting fixed since would change, else
+    "" (a LoRA row does not shard: version 2 counts it as version 3 does)."""
+    if _accounting(row) < 2:
+        return "(*)"
+    return "(**)" if _accounting(row) < 3 and "FSDP" in key else ""
 
 
 def code_version() -> str:
@@ -387,7 +401,7 @@ def markdown(rows: dict, brief: bool = False) -> str:
         model, name = key.split(" | ")
         label = f"{NAMES[model]} ({r['resolution']})" if brief and "resolution" in r else (
             NAMES[model] if brief else model)
-        training = _training(model, name, r) + (" (*)" if _accounting(r) < ACCOUNTING else "")
+        training = _training(model, name, r) + (f" {_mark(key, r)}" if _mark(key, r) else "")
         if r.get("failed"):
             lines.append(f"| {label} | {training} | " + ("failed | | |" if brief
                                                           else "| failed | | | |"))
@@ -402,10 +416,8 @@ def markdown(rows: dict, brief: bool = False) -> str:
                      f"{r['tsp_pack']} | {r['rollout_device_gib']:.1f} ({r['rollout_peak_phase']})"
                      f" | {r['trainer_device_gib']:.1f} ({r['trainer_peak_phase']}) | "
                      f"{r['rollout_host_gib']:.1f} / {r['leader_host_gib']:.1f} | {fits} |")
-    if not brief and any(_accounting(r) < ACCOUNTING for r in rows.values()):
-        lines.append("\n(*) rehearsed before a fused kernel counted only its outputs: the peaks "
-                     "include\ntemporaries of torch's Python decompositions and run high (delete "
-                     "the row, run `--table`).")
+    for mark in sorted({_mark(k, r) for k, r in rows.items()} - {""}) if not brief else ():
+        lines.append(f"\n{mark} {MARKS[mark]} (delete the row, run `--table`).")
     return "\n".join(lines)
 
 
